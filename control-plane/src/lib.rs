@@ -1,0 +1,12 @@
+//! gpu-control-plane's control plane: a Raft-replicated GPU cluster scheduler.
+//!
+//! Layout (each folder readable alone):
+//! - `state/`: the replicated state machine — plain data and a deterministic `apply`.
+//! - `raft/`: openraft wiring — type config, sled log store and state machine, peer network.
+//! - `api/`: gRPC services for clients; validation, leader forwarding, wire conversions.
+//! - `server`: one replica process — config, data directory, Raft, API.
+//! - `client`: the client library `gpuctl` and tests use (endpoint failover, retries).
+//! - `cli/`: `gpuctl`'s commands and their output.
+//! - `telemetry`: tracing and the optional OTLP export.
+
+pub mod state;

@@ -1,0 +1,211 @@
+//! Commands: the only way the replicated state changes. Each is one Raft log entry, stamped by
+//! the leader that proposed it (`Request::at`), so `apply` never reads a clock.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::types::{AllocationId, JobId, JobSpec, NodeSpec, Partition, Tenant, Timestamp};
+
+/// The Raft entry payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// Leader's wall clock when it proposed the command (ms since the Unix epoch).
+    pub at: Timestamp,
+    pub command: Command,
+}
+
+/// One task of a job placed on GPUs of one node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskPlacement {
+    pub node: String,
+    pub gpus: Vec<String>,
+}
+
+/// Every task of one job: accepted whole or not at all (gangs are never partially placed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobPlacement {
+    pub job: JobId,
+    pub tasks: Vec<TaskPlacement>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskOutcome {
+    Succeeded,
+    Failed {
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+        reason: String,
+    },
+    TimedOut,
+    /// The node or GPU failed under it: the job goes back to the queue.
+    Lost { reason: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    SubmitJob {
+        spec: JobSpec,
+        idempotency_key: Option<String>,
+    },
+    CancelJob {
+        job: JobId,
+        reason: String,
+    },
+    RegisterNode {
+        spec: NodeSpec,
+    },
+    /// A scheduling plan. `term` is the proposing leader's term, recorded on each allocation.
+    Place {
+        term: u64,
+        placements: Vec<JobPlacement>,
+    },
+    AllocationStarted {
+        allocation: AllocationId,
+    },
+    AllocationExited {
+        allocation: AllocationId,
+        outcome: TaskOutcome,
+    },
+    PutTenant {
+        tenant: Tenant,
+    },
+    PutPartition {
+        partition: Partition,
+    },
+}
+
+impl Command {
+    pub fn submit(spec: JobSpec, idempotency_key: Option<String>) -> Command {
+        Command::SubmitJob {
+            spec,
+            idempotency_key,
+        }
+    }
+
+    pub fn cancel(job: JobId, reason: impl Into<String>) -> Command {
+        Command::CancelJob {
+            job,
+            reason: reason.into(),
+        }
+    }
+
+    /// Short name for spans and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::SubmitJob { .. } => "submit_job",
+            Command::CancelJob { .. } => "cancel_job",
+            Command::RegisterNode { .. } => "register_node",
+            Command::Place { .. } => "place",
+            Command::AllocationStarted { .. } => "allocation_started",
+            Command::AllocationExited { .. } => "allocation_exited",
+            Command::PutTenant { .. } => "put_tenant",
+            Command::PutPartition { .. } => "put_partition",
+        }
+    }
+}
+
+impl fmt::Display for Command {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Command::SubmitJob {
+                spec,
+                idempotency_key,
+            } => write!(
+                f,
+                "submit tenant={} gpus={}x{} key={}",
+                spec.tenant,
+                spec.tasks,
+                spec.gpus_per_task,
+                idempotency_key.as_deref().unwrap_or("-")
+            ),
+            Command::CancelJob { job, reason } => write!(f, "cancel job={job} reason={reason:?}"),
+            Command::RegisterNode { spec } => {
+                write!(f, "register node={} gpus={}", spec.name, spec.gpus.len())
+            }
+            Command::Place { term, placements } => {
+                write!(f, "place term={term} jobs={}", placements.len())
+            }
+            Command::AllocationStarted { allocation } => write!(f, "started alloc={allocation}"),
+            Command::AllocationExited {
+                allocation,
+                outcome,
+            } => write!(f, "exited alloc={allocation} outcome={outcome:?}"),
+            Command::PutTenant { tenant } => write!(f, "put tenant={}", tenant.name),
+            Command::PutPartition { partition } => write!(f, "put partition={}", partition.name),
+        }
+    }
+}
+
+/// Why a command changed nothing. Business rejections are normal responses, not errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RejectKind {
+    /// The request itself is wrong (maps to gRPC InvalidArgument).
+    InvalidArgument,
+    /// It names something that does not exist (NotFound).
+    NotFound,
+    /// Valid, but the current state does not allow it (FailedPrecondition).
+    FailedPrecondition,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejection {
+    pub kind: RejectKind,
+    /// The request field at fault, when there is one.
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl Rejection {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Rejection {
+            kind: RejectKind::InvalidArgument,
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Rejection {
+            kind: RejectKind::NotFound,
+            field: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn precondition(message: impl Into<String>) -> Self {
+        Rejection {
+            kind: RejectKind::FailedPrecondition,
+            field: None,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.field {
+            Some(field) => write!(f, "{field}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+/// The result of applying one command; returned to whoever proposed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    JobSubmitted {
+        id: JobId,
+        created: bool,
+    },
+    JobCancelled {
+        id: JobId,
+    },
+    NodeRegistered,
+    Placed {
+        accepted: Vec<JobId>,
+        rejected: Vec<(JobId, String)>,
+    },
+    Done,
+    Rejected(Rejection),
+}

@@ -1,0 +1,299 @@
+//! Checks of user input that need no cluster state. The API runs them before proposing (so a
+//! bad request never reaches the log) and `apply` runs them again (so a bad entry can never
+//! change the state, whoever proposed it).
+
+use super::command::Rejection;
+use super::types::{JobSpec, NodeSpec, Partition, Tenant};
+
+/// The most GPUs any host can have (HGX-2 class boards carry 16).
+pub const MAX_GPUS_PER_NODE: u32 = 16;
+pub const MAX_TASKS: u32 = 4096;
+pub const MAX_COMMAND_BYTES: usize = 64 * 1024;
+pub const MAX_COMMAND_ARGS: usize = 4096;
+pub const MAX_ENV_BYTES: usize = 64 * 1024;
+pub const MAX_NAME_LEN: usize = 256;
+pub const MAX_DEPENDENCIES: usize = 128;
+pub const MAX_GPU_MODELS: usize = 16;
+/// One year: longer limits are almost always a unit mistake.
+pub const MAX_TIME_LIMIT_SECS: u64 = 366 * 24 * 3600;
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 256;
+pub const PRIORITY_CLASSES: [&str; 3] = ["low", "normal", "high"];
+pub const DEFAULT_PRIORITY_CLASS: &str = "normal";
+
+/// Names of tenants, partitions, nodes and labels: what a person would type in a shell.
+pub fn validate_name(field: &str, value: &str) -> Result<(), Rejection> {
+    if value.is_empty() {
+        return Err(Rejection::invalid(field, "must not be empty"));
+    }
+    if value.len() > 63 {
+        return Err(Rejection::invalid(
+            field,
+            format!("{value:?} is longer than 63 characters"),
+        ));
+    }
+    if !value
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err(Rejection::invalid(
+            field,
+            format!("{value:?} may only contain letters, digits, '-', '_' and '.'"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
+    validate_name("tenant", &spec.tenant)?;
+    if spec.name.len() > MAX_NAME_LEN {
+        return Err(Rejection::invalid(
+            "name",
+            format!("longer than {MAX_NAME_LEN} bytes"),
+        ));
+    }
+    if spec.command.is_empty() || spec.command[0].trim().is_empty() {
+        return Err(Rejection::invalid(
+            "command",
+            "is empty: give the program to run",
+        ));
+    }
+    if spec.command.len() > MAX_COMMAND_ARGS {
+        return Err(Rejection::invalid(
+            "command",
+            format!("has more than {MAX_COMMAND_ARGS} arguments"),
+        ));
+    }
+    let command_bytes: usize = spec.command.iter().map(|a| a.len()).sum();
+    if command_bytes > MAX_COMMAND_BYTES {
+        return Err(Rejection::invalid(
+            "command",
+            format!("is {command_bytes} bytes; the limit is {MAX_COMMAND_BYTES}"),
+        ));
+    }
+    if spec.command.iter().any(|a| a.contains('\0')) {
+        return Err(Rejection::invalid("command", "contains a NUL byte"));
+    }
+    if spec.gpus_per_task > MAX_GPUS_PER_NODE {
+        return Err(Rejection::invalid(
+            "gpus_per_task",
+            format!(
+                "{} GPUs per task is more than any node can have ({MAX_GPUS_PER_NODE}); \
+                 use several tasks for a multi-node job",
+                spec.gpus_per_task
+            ),
+        ));
+    }
+    if spec.tasks == 0 {
+        return Err(Rejection::invalid("tasks", "must be at least 1"));
+    }
+    if spec.tasks > MAX_TASKS {
+        return Err(Rejection::invalid(
+            "tasks",
+            format!("{} is more than the limit of {MAX_TASKS}", spec.tasks),
+        ));
+    }
+    if spec.gpus_per_task == 0 && spec.cpu_milli_per_task == 0 && spec.memory_mib_per_task == 0 {
+        return Err(Rejection::invalid(
+            "gpus_per_task",
+            "the job asks for nothing: request GPUs, CPU or memory",
+        ));
+    }
+    if spec.gpu_models.len() > MAX_GPU_MODELS {
+        return Err(Rejection::invalid(
+            "gpu_models",
+            format!("more than {MAX_GPU_MODELS} alternatives"),
+        ));
+    }
+    for model in &spec.gpu_models {
+        if model.trim().is_empty() || model.len() > 64 {
+            return Err(Rejection::invalid(
+                "gpu_models",
+                format!("{model:?} is not a GPU model name"),
+            ));
+        }
+    }
+    if !spec.gpu_models.is_empty() && spec.gpus_per_task == 0 {
+        return Err(Rejection::invalid(
+            "gpu_models",
+            "names GPU models but the job asks for no GPUs",
+        ));
+    }
+    if let Some(partition) = &spec.partition {
+        validate_name("partition", partition)?;
+    }
+    if !PRIORITY_CLASSES.contains(&spec.priority_class.as_str()) {
+        return Err(Rejection::invalid(
+            "priority_class",
+            format!(
+                "{:?} is not one of {}",
+                spec.priority_class,
+                PRIORITY_CLASSES.join(", ")
+            ),
+        ));
+    }
+    match spec.time_limit_secs {
+        Some(0) => return Err(Rejection::invalid("time_limit", "must be positive")),
+        Some(t) if t > MAX_TIME_LIMIT_SECS => {
+            return Err(Rejection::invalid(
+                "time_limit",
+                format!("{t} s is more than a year"),
+            ));
+        }
+        _ => {}
+    }
+    if spec.dependencies.len() > MAX_DEPENDENCIES {
+        return Err(Rejection::invalid(
+            "dependencies",
+            format!("more than {MAX_DEPENDENCIES}"),
+        ));
+    }
+    if spec.dependencies.iter().any(|d| d.job == 0) {
+        return Err(Rejection::invalid("dependencies", "job id 0 does not exist"));
+    }
+    let mut env_bytes = 0;
+    for (k, v) in &spec.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(Rejection::invalid(
+                "env",
+                format!("{k:?} is not a valid variable name"),
+            ));
+        }
+        env_bytes += k.len() + v.len();
+    }
+    if env_bytes > MAX_ENV_BYTES {
+        return Err(Rejection::invalid(
+            "env",
+            format!("is {env_bytes} bytes; the limit is {MAX_ENV_BYTES}"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn validate_idempotency_key(key: &str) -> Result<(), Rejection> {
+    if key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+        return Err(Rejection::invalid(
+            "idempotency_key",
+            format!("longer than {MAX_IDEMPOTENCY_KEY_LEN} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), Rejection> {
+    validate_name("node.name", &spec.name)?;
+    if spec.gpus.len() > MAX_GPUS_PER_NODE as usize {
+        return Err(Rejection::invalid(
+            "node.gpus",
+            format!("{} GPUs; the limit is {MAX_GPUS_PER_NODE}", spec.gpus.len()),
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for gpu in &spec.gpus {
+        if gpu.uuid.is_empty() {
+            return Err(Rejection::invalid("node.gpus.uuid", "must not be empty"));
+        }
+        if !seen.insert(gpu.uuid.as_str()) {
+            return Err(Rejection::invalid(
+                "node.gpus.uuid",
+                format!("{} appears twice", gpu.uuid),
+            ));
+        }
+    }
+    if let Some(p) = &spec.partition {
+        validate_name("node.partition", p)?;
+    }
+    Ok(())
+}
+
+pub fn validate_tenant(tenant: &Tenant) -> Result<(), Rejection> {
+    validate_name("tenant.name", &tenant.name)?;
+    if tenant.weight == 0 {
+        return Err(Rejection::invalid("tenant.weight", "must be at least 1"));
+    }
+    if tenant.max_gpus != 0 && tenant.max_gpus < tenant.quota_gpus {
+        return Err(Rejection::invalid(
+            "tenant.max_gpus",
+            format!(
+                "{} is below the guaranteed quota of {}",
+                tenant.max_gpus, tenant.quota_gpus
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub fn validate_partition(partition: &Partition) -> Result<(), Rejection> {
+    validate_name("partition.name", &partition.name)?;
+    if partition.description.len() > 1024 {
+        return Err(Rejection::invalid(
+            "partition.description",
+            "longer than 1024 bytes",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> JobSpec {
+        JobSpec {
+            tenant: "ml".into(),
+            command: vec!["python".into(), "train.py".into()],
+            gpus_per_task: 2,
+            tasks: 1,
+            priority_class: DEFAULT_PRIORITY_CLASS.into(),
+            ..JobSpec::default()
+        }
+    }
+
+    fn rejected_field(s: &JobSpec) -> String {
+        validate_job_spec(s).unwrap_err().field.unwrap()
+    }
+
+    #[test]
+    fn a_plain_gpu_job_is_valid() {
+        assert_eq!(validate_job_spec(&spec()), Ok(()));
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut JobSpec)>)> = vec![
+            ("command", Box::new(|s| s.command.clear())),
+            ("command", Box::new(|s| s.command = vec!["  ".into()])),
+            (
+                "command",
+                Box::new(|s| s.command = vec!["x".repeat(MAX_COMMAND_BYTES + 1)]),
+            ),
+            ("gpus_per_task", Box::new(|s| s.gpus_per_task = 17)),
+            ("tasks", Box::new(|s| s.tasks = 0)),
+            ("gpus_per_task", Box::new(|s| s.gpus_per_task = 0)),
+            ("tenant", Box::new(|s| s.tenant = String::new())),
+            ("tenant", Box::new(|s| s.tenant = "a b".into())),
+            ("priority_class", Box::new(|s| s.priority_class = "vip".into())),
+            ("time_limit", Box::new(|s| s.time_limit_secs = Some(0))),
+            ("partition", Box::new(|s| s.partition = Some("a/b".into()))),
+            ("gpu_models", Box::new(|s| s.gpu_models = vec!["".into()])),
+            (
+                "env",
+                Box::new(|s| {
+                    s.env.insert("A=B".into(), "1".into());
+                }),
+            ),
+        ];
+        for (field, mutate) in cases {
+            let mut s = spec();
+            mutate(&mut s);
+            assert_eq!(rejected_field(&s), field, "spec {s:?}");
+        }
+    }
+
+    #[test]
+    fn a_cpu_only_job_is_valid() {
+        let mut s = spec();
+        s.gpus_per_task = 0;
+        s.cpu_milli_per_task = 4000;
+        assert_eq!(validate_job_spec(&s), Ok(()));
+    }
+}

@@ -1,0 +1,12 @@
+//! Generated gRPC types and services. Domain code converts at the edge (control-plane's `api/`)
+//! and never passes these types inward.
+
+/// Client API (`gpucp.v1`).
+pub mod v1 {
+    tonic::include_proto!("gpucp.v1");
+}
+
+/// Raft peer RPC (`gpucp.raft.v1`).
+pub mod raft {
+    tonic::include_proto!("gpucp.raft.v1");
+}

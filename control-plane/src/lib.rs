@@ -9,4 +9,13 @@
 //! - `cli/`: `gpuctl`'s commands and their output.
 //! - `telemetry`: tracing and the optional OTLP export.
 
+pub mod api;
+pub mod cli;
+pub mod client;
+pub mod config;
+pub mod datadir;
+pub mod raft;
+pub mod replica;
+pub mod server;
 pub mod state;
+pub mod telemetry;

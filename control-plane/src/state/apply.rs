@@ -13,13 +13,16 @@ use super::{AllocationRecord, Applied, ClusterState};
 impl ClusterState {
     /// Applies `command`, proposed at leader time `at`, as log entry `index`.
     pub fn apply(&mut self, command: &Command, at: Timestamp, index: u64) -> Applied {
-        self.last_applied_at = self.last_applied_at.max(at);
         let mut changed = Vec::new();
         let outcome = match command {
             Command::SubmitJob {
                 spec,
                 idempotency_key,
-            } => self.submit(spec, idempotency_key.as_deref(), at, index, &mut changed),
+            } => {
+                // An empty key is no key (protobuf's default string).
+                let key = idempotency_key.as_deref().filter(|k| !k.is_empty());
+                self.submit(spec, key, at, index, &mut changed)
+            }
             Command::CancelJob { job, reason } => self.cancel(*job, reason, at, index, &mut changed),
             Command::RegisterNode { spec } => self.register_node(spec, at),
             Command::Place { term, placements } => {
@@ -48,6 +51,9 @@ impl ClusterState {
                 Err(r) => Outcome::Rejected(r),
             },
         };
+        if !matches!(outcome, Outcome::Rejected(_)) {
+            self.last_applied_at = self.last_applied_at.max(at);
+        }
         changed.sort_unstable();
         changed.dedup();
         Applied {
@@ -187,6 +193,10 @@ impl ClusterState {
             reason
         };
         self.request_stop_of_all(id);
+        if let Some(job) = self.jobs.get_mut(&id) {
+            // The user's cancel decides the final state, whatever a failing task had set.
+            job.ending = None;
+        }
         self.transition(id, JobState::Cancelled, reason, at, index);
         changed.push(id);
         Outcome::JobCancelled { id }
@@ -382,6 +392,7 @@ impl ClusterState {
         let all_started = self.allocations_of(job_id).all(|r| r.started);
         if let Some(job) = self.jobs.get(&job_id)
             && job.state == JobState::Scheduled
+            && job.ending.is_none()
             && all_started
         {
             self.transition(job_id, JobState::Running, "all tasks started", at, index);
@@ -445,6 +456,16 @@ impl ClusterState {
             self.request_stop_of_all(job_id);
         }
         if remaining > 0 {
+            // A task that exited had started, even if its start report was never applied: once
+            // every remaining task has started too, the job is running.
+            let all_started = self.allocations_of(job_id).all(|r| r.started);
+            if let Some(job) = self.jobs.get(&job_id)
+                && job.state == JobState::Scheduled
+                && job.ending.is_none()
+                && all_started
+            {
+                self.transition(job_id, JobState::Running, "all tasks started", at, index);
+            }
             return Outcome::Done;
         }
         let Some(job) = self.jobs.get_mut(&job_id) else {

@@ -4,6 +4,10 @@
 //! lost, idempotent submission) is enforced here, at apply time, whatever the proposer believed.
 
 mod apply;
+#[cfg(test)]
+mod apply_tests;
+#[cfg(test)]
+mod proptests;
 pub mod command;
 pub mod types;
 pub mod validate;

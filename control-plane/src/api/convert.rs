@@ -1,0 +1,241 @@
+//! Wire ↔ domain conversions. Incoming messages are checked for what the wire types allow but
+//! the domain does not (negative counts, unknown enum values); everything else is validated by
+//! `state::validate`.
+
+use proto::v1 as pb;
+
+use crate::state::validate::DEFAULT_PRIORITY_CLASS;
+use crate::state::{
+    self, ClusterState, Dependency, DependencyKind, GpuHealth, JobSpec, Partition, Rejection,
+    Tenant,
+};
+
+fn count(field: &str, value: i64, max: u64) -> Result<u64, Rejection> {
+    if value < 0 {
+        return Err(Rejection::invalid(field, format!("{value} is negative")));
+    }
+    let v = value as u64;
+    if v > max {
+        return Err(Rejection::invalid(field, format!("{v} is larger than {max}")));
+    }
+    Ok(v)
+}
+
+fn non_empty(s: String) -> Option<String> {
+    if s.is_empty() { None } else { Some(s) }
+}
+
+pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejection> {
+    let spec = spec.ok_or_else(|| Rejection::invalid("spec", "is missing"))?;
+    let mut dependencies = Vec::with_capacity(spec.dependencies.len());
+    for d in &spec.dependencies {
+        let kind = match pb::dependency::Kind::try_from(d.kind) {
+            Ok(pb::dependency::Kind::AfterOk) => DependencyKind::AfterOk,
+            Ok(pb::dependency::Kind::AfterAny) => DependencyKind::AfterAny,
+            Ok(pb::dependency::Kind::AfterNotOk) => DependencyKind::AfterNotOk,
+            _ => {
+                return Err(Rejection::invalid(
+                    "dependencies",
+                    format!("unknown dependency kind {}", d.kind),
+                ));
+            }
+        };
+        dependencies.push(Dependency { kind, job: d.job_id });
+    }
+    let priority_class = if spec.priority_class.is_empty() {
+        DEFAULT_PRIORITY_CLASS.to_owned()
+    } else {
+        spec.priority_class
+    };
+    Ok(JobSpec {
+        tenant: spec.tenant,
+        name: spec.name,
+        command: spec.command,
+        gpus_per_task: count("gpus_per_task", spec.gpus_per_task, u32::MAX as u64)? as u32,
+        tasks: count("tasks", spec.tasks, u32::MAX as u64)? as u32,
+        gpu_models: spec.gpu_models,
+        partition: non_empty(spec.partition),
+        priority_class,
+        time_limit_secs: match count("time_limit", spec.time_limit_secs, u64::MAX)? {
+            0 => None,
+            t => Some(t),
+        },
+        dependencies,
+        cpu_milli_per_task: count("cpu_milli_per_task", spec.cpu_milli_per_task, u64::MAX)?,
+        memory_mib_per_task: count("memory_mib_per_task", spec.memory_mib_per_task, u64::MAX)?,
+        env: spec.env.into_iter().collect(),
+    })
+}
+
+pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
+    pb::JobSpec {
+        tenant: spec.tenant.clone(),
+        name: spec.name.clone(),
+        command: spec.command.clone(),
+        gpus_per_task: i64::from(spec.gpus_per_task),
+        tasks: i64::from(spec.tasks),
+        gpu_models: spec.gpu_models.clone(),
+        partition: spec.partition.clone().unwrap_or_default(),
+        priority_class: spec.priority_class.clone(),
+        time_limit_secs: spec.time_limit_secs.unwrap_or(0) as i64,
+        dependencies: spec
+            .dependencies
+            .iter()
+            .map(|d| pb::Dependency {
+                kind: match d.kind {
+                    DependencyKind::AfterOk => pb::dependency::Kind::AfterOk,
+                    DependencyKind::AfterAny => pb::dependency::Kind::AfterAny,
+                    DependencyKind::AfterNotOk => pb::dependency::Kind::AfterNotOk,
+                } as i32,
+                job_id: d.job,
+            })
+            .collect(),
+        cpu_milli_per_task: spec.cpu_milli_per_task as i64,
+        memory_mib_per_task: spec.memory_mib_per_task as i64,
+        env: spec.env.clone().into_iter().collect(),
+    }
+}
+
+pub fn allocation_to_proto(a: &state::Allocation) -> pb::Allocation {
+    pb::Allocation {
+        id: a.id,
+        job_id: a.job,
+        node: a.node.clone(),
+        gpus: a.gpus.clone(),
+        term: a.term,
+        epoch: a.id,
+        created_at_ms: a.created_at,
+    }
+}
+
+pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
+    pb::Job {
+        id: job.id,
+        spec: Some(job_spec_to_proto(&job.spec)),
+        idempotency_key: job.idempotency_key.clone().unwrap_or_default(),
+        state: job.state.as_str().to_owned(),
+        submitted_at_ms: job.submitted_at,
+        history: job
+            .history
+            .iter()
+            .map(|h| pb::StateChange {
+                at_ms: h.at,
+                state: h.state.as_str().to_owned(),
+                reason: h.reason.clone(),
+            })
+            .collect(),
+        allocations: cluster
+            .allocations_of(job.id)
+            .map(|r| allocation_to_proto(&r.allocation))
+            .collect(),
+        version: job.version,
+    }
+}
+
+pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
+    pb::Node {
+        name: node.spec.name.clone(),
+        gpus: node
+            .spec
+            .gpus
+            .iter()
+            .map(|g| {
+                let (health, reason) = match &g.health {
+                    GpuHealth::Healthy => ("healthy", String::new()),
+                    GpuHealth::Unhealthy { reason } => ("unhealthy", reason.clone()),
+                };
+                pb::Gpu {
+                    uuid: g.uuid.clone(),
+                    index: g.index,
+                    model: g.model.clone(),
+                    memory_mib: g.memory_mib,
+                    numa_node: g.numa_node.map(|n| n as i32).unwrap_or(-1),
+                    pci_bus_id: g.pci_bus_id.clone(),
+                    health: health.to_owned(),
+                    health_reason: reason,
+                    allocation: cluster.gpu_holder.get(&g.uuid).copied().unwrap_or(0),
+                }
+            })
+            .collect(),
+        cpu_milli: node.spec.cpu_milli,
+        memory_mib: node.spec.memory_mib,
+        partition: node.spec.partition.clone().unwrap_or_default(),
+        labels: node.spec.labels.clone().into_iter().collect(),
+        status: node.status.as_str().to_owned(),
+        registered_at_ms: node.registered_at,
+    }
+}
+
+pub fn tenant_from_proto(t: pb::Tenant) -> Tenant {
+    Tenant {
+        name: t.name,
+        weight: if t.weight == 0 { 1 } else { t.weight },
+        quota_gpus: t.quota_gpus,
+        max_gpus: t.max_gpus,
+    }
+}
+
+pub fn tenant_to_proto(t: &Tenant) -> pb::Tenant {
+    pb::Tenant {
+        name: t.name.clone(),
+        weight: t.weight,
+        quota_gpus: t.quota_gpus,
+        max_gpus: t.max_gpus,
+    }
+}
+
+pub fn partition_from_proto(p: pb::Partition) -> Partition {
+    Partition {
+        name: p.name,
+        description: p.description,
+    }
+}
+
+pub fn partition_to_proto(p: &Partition) -> pb::Partition {
+    pb::Partition {
+        name: p.name.clone(),
+        description: p.description.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negative_counts_are_rejected_naming_the_field() {
+        let spec = pb::JobSpec {
+            tenant: "t".into(),
+            command: vec!["x".into()],
+            gpus_per_task: -1,
+            tasks: 1,
+            ..Default::default()
+        };
+        let err = job_spec_from_proto(Some(spec)).unwrap_err();
+        assert_eq!(err.field.as_deref(), Some("gpus_per_task"));
+    }
+
+    #[test]
+    fn a_spec_round_trips_through_the_wire_type() {
+        let spec = JobSpec {
+            tenant: "ml".into(),
+            name: "train".into(),
+            command: vec!["python".into(), "train.py".into()],
+            gpus_per_task: 8,
+            tasks: 2,
+            gpu_models: vec!["H100".into(), "A100".into()],
+            partition: Some("h100".into()),
+            priority_class: "high".into(),
+            time_limit_secs: Some(3600),
+            dependencies: vec![Dependency {
+                kind: DependencyKind::AfterNotOk,
+                job: 4,
+            }],
+            cpu_milli_per_task: 8000,
+            memory_mib_per_task: 64_000,
+            env: [("A".to_owned(), "1".to_owned())].into_iter().collect(),
+        };
+        let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
+        assert_eq!(back, spec);
+    }
+}

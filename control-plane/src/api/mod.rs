@@ -1,0 +1,11 @@
+//! gRPC services for clients. Each handler is thin: convert the request, validate it, run it
+//! on this replica or forward it to the leader (`route`), convert the answer.
+
+pub mod convert;
+pub mod route;
+mod service;
+
+pub use service::ControlPlaneService;
+
+/// Largest request a replica decodes; bigger messages are refused before they cost memory.
+pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;

@@ -1,0 +1,91 @@
+//! Runs an operation on this replica, or forwards the whole call to the leader when this
+//! replica is not it. A call that was already forwarded once is never forwarded again: if the
+//! leader moved meanwhile, the client gets `Unavailable` with the new leader and retries.
+
+use std::future::Future;
+use std::time::Duration;
+
+use proto::v1::control_plane_client::ControlPlaneClient;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+
+use crate::replica::{ApiError, Replica};
+use crate::state::{RejectKind, Rejection};
+
+/// Metadata key marking a call forwarded by another replica.
+pub const FORWARDED: &str = "x-gpucp-forwarded-by";
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn rejection_status(r: &Rejection) -> Status {
+    let code = match r.kind {
+        RejectKind::InvalidArgument => Code::InvalidArgument,
+        RejectKind::NotFound => Code::NotFound,
+        RejectKind::FailedPrecondition => Code::FailedPrecondition,
+    };
+    Status::new(code, r.to_string())
+}
+
+pub fn error_status(replica: &Replica, e: ApiError) -> Status {
+    match e {
+        ApiError::Rejected(r) => rejection_status(&r),
+        ApiError::NotLeader { leader: Some((id, addr)) } => Status::unavailable(format!(
+            "replica {} is not the leader; the leader is replica {id} at {addr}; retry there",
+            replica.id
+        )),
+        ApiError::NotLeader { leader: None } => Status::unavailable(format!(
+            "replica {} knows no leader yet (election in progress or no quorum); retry shortly",
+            replica.id
+        )),
+        ApiError::Unavailable(m) => Status::unavailable(m),
+        ApiError::Internal(m) => Status::internal(m),
+    }
+}
+
+pub async fn route<Req, Resp, L, LF, R, RF>(
+    replica: &Replica,
+    request: Request<Req>,
+    local: L,
+    remote: R,
+) -> Result<Response<Resp>, Status>
+where
+    Req: Clone,
+    L: FnOnce(Req) -> LF,
+    LF: Future<Output = Result<Resp, ApiError>>,
+    R: FnOnce(ControlPlaneClient<Channel>, Request<Req>) -> RF,
+    RF: Future<Output = Result<Response<Resp>, Status>>,
+{
+    let forwarded = request.metadata().contains_key(FORWARDED);
+    let message = request.into_inner();
+    match local(message.clone()).await {
+        Ok(resp) => Ok(Response::new(resp)),
+        Err(ApiError::NotLeader {
+            leader: Some((leader, addr)),
+        }) if !forwarded && leader != replica.id => {
+            let client = replica
+                .leader_client(&addr)
+                .map_err(|e| error_status(replica, e))?;
+            let mut req = Request::new(message);
+            req.set_timeout(FORWARD_TIMEOUT);
+            req.metadata_mut().insert(
+                FORWARDED,
+                replica
+                    .id
+                    .to_string()
+                    .parse()
+                    .expect("a decimal number is valid metadata"),
+            );
+            tracing::debug!(leader, %addr, "forwarding to the leader");
+            remote(client, req).await.map_err(|s| {
+                if s.code() == Code::Unavailable || s.code() == Code::Unknown {
+                    Status::unavailable(format!(
+                        "forwarding to leader {leader} at {addr} failed: {}",
+                        s.message()
+                    ))
+                } else {
+                    s
+                }
+            })
+        }
+        Err(e) => Err(error_status(replica, e)),
+    }
+}

@@ -1,0 +1,414 @@
+//! `gpuctl`: the command-line client. Slurm-like flags (`submit --gpus 2 --time 24:00:00
+//! --partition a100 -- python train.py`), tables by default and `--output json` for scripts.
+//! Each subcommand is a small function: build the request, call any replica through
+//! `Client`, print the answer.
+
+mod dev;
+pub mod output;
+pub mod parse;
+mod submit;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use proto::v1 as pb;
+use serde_json::json;
+
+use crate::client::{Client, DEV_ENDPOINTS, ENDPOINTS_ENV, with_timeout};
+use crate::config::ReplicaArgs;
+use crate::replica::now_ms;
+use output::Format;
+
+#[derive(Parser)]
+#[command(name = "gpuctl", version, about = "Command-line client of gpu-control-plane")]
+pub struct Cli {
+    /// Control-plane replicas to talk to, comma-separated; any one of them will do.
+    #[arg(long, global = true, env = ENDPOINTS_ENV, default_value = DEV_ENDPOINTS, value_name = "HOST:PORT,...")]
+    pub endpoints: String,
+    /// Output format.
+    #[arg(long, short = 'o', global = true, value_enum, default_value = "table")]
+    pub output: Format,
+    /// Give up after this many seconds of retrying across replicas.
+    #[arg(long, global = true, default_value_t = 15)]
+    pub timeout: u64,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Submit a job: `gpuctl submit --gpus 2 --time 24:00:00 -- python train.py`.
+    Submit(submit::SubmitArgs),
+    /// List jobs (pending and running by default).
+    #[command(alias = "squeue", alias = "list")]
+    Queue(QueueArgs),
+    /// Show one job in detail.
+    Show {
+        job: u64,
+        /// Read from the answering replica without a leader round-trip (may be slightly behind).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Cancel jobs.
+    #[command(alias = "scancel")]
+    Cancel {
+        #[arg(required = true)]
+        jobs: Vec<u64>,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Stream job changes as they are committed.
+    Watch {
+        #[arg(long, default_value = "")]
+        tenant: String,
+        /// Print every current job first.
+        #[arg(long)]
+        initial: bool,
+    },
+    /// List GPU nodes.
+    #[command(alias = "sinfo")]
+    Nodes {
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Replicas, leader, term and log indexes; add or remove replicas.
+    Cluster {
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
+    /// Tenants and their quotas.
+    Tenant {
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
+    /// Partitions (pools of nodes).
+    Partition {
+        #[command(subcommand)]
+        command: PartitionCommand,
+    },
+    /// Run a local 3-replica control plane in the foreground (Ctrl-C stops it).
+    Dev(dev::DevArgs),
+    /// Run one control-plane replica (what `gpuctl dev` starts; same flags as `control-plane`).
+    #[command(hide = true)]
+    Replica(ReplicaArgs),
+}
+
+#[derive(clap::Args)]
+pub struct QueueArgs {
+    /// Include finished jobs.
+    #[arg(long, short = 'a')]
+    pub all: bool,
+    /// Only jobs in these states (pending, scheduled, running, succeeded, failed, cancelled, timed_out).
+    #[arg(long = "state", short = 't', value_delimiter = ',')]
+    pub states: Vec<String>,
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    #[arg(long, short = 'p', default_value = "")]
+    pub partition: String,
+    #[arg(long)]
+    pub stale: bool,
+}
+
+#[derive(Subcommand)]
+pub enum ClusterCommand {
+    /// Leader, term, commit and applied index, members.
+    Status,
+    /// Add a replica: it joins as a learner, catches up, then becomes a voter.
+    Add {
+        #[arg(long)]
+        id: u64,
+        #[arg(long, value_name = "HOST:PORT")]
+        address: String,
+        /// Keep it a non-voting learner.
+        #[arg(long)]
+        learner: bool,
+    },
+    /// Remove a replica from the cluster.
+    Remove {
+        #[arg(long)]
+        id: u64,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TenantCommand {
+    /// Create or update a tenant. Once any tenant exists, jobs must name a known tenant.
+    Set {
+        name: String,
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+        /// Guaranteed GPUs.
+        #[arg(long, default_value_t = 0)]
+        quota: u32,
+        /// Most GPUs the tenant may hold, borrowing included (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max: u32,
+    },
+    List,
+}
+
+#[derive(Subcommand)]
+pub enum PartitionCommand {
+    /// Create or update a partition. Once any partition exists, jobs must name a known one.
+    Set {
+        name: String,
+        #[arg(long, default_value = "")]
+        description: String,
+    },
+    List,
+}
+
+/// Runs `gpuctl`. Returns the process exit code.
+pub fn main(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Replica(args) => {
+            return crate::server::run_replica_process(args, crate::config::Defaults::LOG_FILTER);
+        }
+        Command::Dev(args) => return dev::run(args),
+        _ => {}
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run_client_command(cli))
+}
+
+fn print_json(v: serde_json::Value) {
+    println!("{v}");
+}
+
+fn read(stale: bool) -> Option<pb::ReadOptions> {
+    Some(pb::ReadOptions { stale })
+}
+
+async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
+    let endpoints = Client::parse_endpoints(&cli.endpoints);
+    let mut client = Client::new(&endpoints)?;
+    client.deadline = Duration::from_secs(cli.timeout);
+    let fmt = cli.output;
+    match cli.command {
+        Command::Submit(args) => submit::run(&mut client, args, fmt).await?,
+        Command::Queue(q) => {
+            let req = pb::ListJobsRequest {
+                states: q.states,
+                tenant: q.tenant,
+                partition: q.partition,
+                include_finished: q.all,
+                read: read(q.stale),
+            };
+            let resp = client
+                .call(|mut c, t| {
+                    let req = req.clone();
+                    async move { c.list_jobs(with_timeout(req, t)).await }
+                })
+                .await?;
+            match fmt {
+                Format::Json => print_json(json!({"jobs": resp.jobs.iter().map(output::job_json).collect::<Vec<_>>()})),
+                Format::Table => print!("{}", output::jobs_table(&resp.jobs, now_ms())),
+            }
+        }
+        Command::Show { job, stale } => {
+            let j = client
+                .call(|mut c, t| async move { c.get_job(with_timeout(pb::GetJobRequest { id: job, read: read(stale) }, t)).await })
+                .await?;
+            match fmt {
+                Format::Json => print_json(output::job_json(&j)),
+                Format::Table => print!("{}", output::job_details(&j)),
+            }
+        }
+        Command::Cancel { jobs, reason } => {
+            let mut failed = 0;
+            let mut results = Vec::new();
+            for id in jobs {
+                let reason = reason.clone();
+                let r = client
+                    .call(|mut c, t| {
+                        let reason = reason.clone();
+                        async move { c.cancel_job(with_timeout(pb::CancelJobRequest { id, reason }, t)).await }
+                    })
+                    .await;
+                match r {
+                    Ok(_) => {
+                        results.push(json!({"id": id, "cancelled": true}));
+                        if fmt == Format::Table {
+                            println!("job {id} cancelled");
+                        }
+                    }
+                    Err(s) => {
+                        failed += 1;
+                        results.push(json!({"id": id, "cancelled": false, "error": s.message()}));
+                        if fmt == Format::Table {
+                            eprintln!("job {id}: {}", s.message());
+                        }
+                    }
+                }
+            }
+            if fmt == Format::Json {
+                print_json(json!({"results": results}));
+            }
+            if failed > 0 {
+                anyhow::bail!("{failed} job(s) could not be cancelled");
+            }
+        }
+        Command::Watch { tenant, initial } => watch(&mut client, tenant, initial, fmt).await?,
+        Command::Nodes { stale } => {
+            let resp = client
+                .call(|mut c, t| async move { c.list_nodes(with_timeout(pb::ListNodesRequest { read: read(stale) }, t)).await })
+                .await?;
+            match fmt {
+                Format::Json => print_json(json!({"nodes": resp.nodes.iter().map(output::node_json).collect::<Vec<_>>()})),
+                Format::Table => print!("{}", output::nodes_table(&resp.nodes)),
+            }
+        }
+        Command::Cluster { command } => cluster(&mut client, command, fmt).await?,
+        Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
+        Command::Partition { command } => partition(&mut client, command, fmt).await?,
+        Command::Dev(_) | Command::Replica(_) => unreachable!("handled before the runtime starts"),
+    }
+    Ok(())
+}
+
+async fn watch(client: &mut Client, tenant: String, initial: bool, fmt: Format) -> anyhow::Result<()> {
+    // Watches are served by one replica; if it goes away, reconnect to another and re-list.
+    let mut first = true;
+    loop {
+        let req = pb::WatchJobsRequest { tenant: tenant.clone(), initial: initial || !first };
+        let mut stream = client
+            .call(|mut c, _| {
+                let req = req.clone();
+                async move { c.watch_jobs(req).await }
+            })
+            .await?;
+        first = false;
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => {
+                    let Some(job) = ev.job else { continue };
+                    match fmt {
+                        Format::Json => print_json(json!({"log_index": ev.log_index, "job": output::job_json(&job)})),
+                        Format::Table => {
+                            let reason = job.history.last().map(|h| h.reason.as_str()).unwrap_or("");
+                            println!("{:>8}  job {:<6} {:<10} {}", ev.log_index, job.id, job.state.to_uppercase(), reason);
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(s) => {
+                    eprintln!("watch interrupted ({}); reconnecting", s.message());
+                    break;
+                }
+            }
+        }
+    }
+}
+
+async fn cluster_status_from_leader(client: &mut Client) -> anyhow::Result<pb::ClusterStatusResponse> {
+    let status = client
+        .call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await })
+        .await?;
+    // Ask the leader itself when possible: only it knows how far each member has replicated.
+    if status.leader != 0
+        && status.leader != status.id
+        && let Some(m) = status.members.iter().find(|m| m.id == status.leader)
+        && let Ok(mut leader) = Client::new(std::slice::from_ref(&m.address))
+    {
+        leader.deadline = Duration::from_secs(2);
+        if let Ok(s) = leader
+            .call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await })
+            .await
+        {
+            return Ok(s);
+        }
+    }
+    Ok(status)
+}
+
+async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> anyhow::Result<()> {
+    let status = match command {
+        ClusterCommand::Status => cluster_status_from_leader(client).await?,
+        ClusterCommand::Add { id, address, learner } => {
+            // Catching up can take a while on a large log.
+            client.attempt_timeout = client.deadline.max(Duration::from_secs(60));
+            let req = pb::AddReplicaRequest { id, address, learner_only: learner };
+            client
+                .call(|mut c, t| {
+                    let req = req.clone();
+                    async move { c.add_replica(with_timeout(req, t)).await }
+                })
+                .await?
+        }
+        ClusterCommand::Remove { id } => {
+            client
+                .call(|mut c, t| async move { c.remove_replica(with_timeout(pb::RemoveReplicaRequest { id }, t)).await })
+                .await?
+        }
+    };
+    match fmt {
+        Format::Json => print_json(output::status_json(&status)),
+        Format::Table => print!("{}", output::status_text(&status)),
+    }
+    Ok(())
+}
+
+async fn tenant(client: &mut Client, command: TenantCommand, fmt: Format) -> anyhow::Result<()> {
+    let tenants = match command {
+        TenantCommand::Set { name, weight, quota, max } => {
+            let t = pb::Tenant { name, weight, quota_gpus: quota, max_gpus: max };
+            vec![client
+                .call(|mut c, to| {
+                    let t = t.clone();
+                    async move { c.put_tenant(with_timeout(t, to)).await }
+                })
+                .await?]
+        }
+        TenantCommand::List => {
+            client
+                .call(|mut c, t| async move { c.list_tenants(with_timeout(pb::ListTenantsRequest { read: None }, t)).await })
+                .await?
+                .tenants
+        }
+    };
+    match fmt {
+        Format::Json => print_json(json!({"tenants": tenants.iter().map(|t| json!({
+            "name": t.name, "weight": t.weight, "quota_gpus": t.quota_gpus, "max_gpus": t.max_gpus,
+        })).collect::<Vec<_>>()})),
+        Format::Table => {
+            let rows: Vec<Vec<String>> = tenants
+                .iter()
+                .map(|t| vec![t.name.clone(), t.weight.to_string(), t.quota_gpus.to_string(), if t.max_gpus == 0 { "-".into() } else { t.max_gpus.to_string() }])
+                .collect();
+            print!("{}", output::table(&["TENANT", "WEIGHT", "QUOTA_GPUS", "MAX_GPUS"], &rows));
+        }
+    }
+    Ok(())
+}
+
+async fn partition(client: &mut Client, command: PartitionCommand, fmt: Format) -> anyhow::Result<()> {
+    let partitions = match command {
+        PartitionCommand::Set { name, description } => {
+            let p = pb::Partition { name, description };
+            vec![client
+                .call(|mut c, t| {
+                    let p = p.clone();
+                    async move { c.put_partition(with_timeout(p, t)).await }
+                })
+                .await?]
+        }
+        PartitionCommand::List => {
+            client
+                .call(|mut c, t| async move { c.list_partitions(with_timeout(pb::ListPartitionsRequest { read: None }, t)).await })
+                .await?
+                .partitions
+        }
+    };
+    match fmt {
+        Format::Json => print_json(json!({"partitions": partitions.iter().map(|p| json!({"name": p.name, "description": p.description})).collect::<Vec<_>>()})),
+        Format::Table => {
+            let rows: Vec<Vec<String>> = partitions.iter().map(|p| vec![p.name.clone(), p.description.clone()]).collect();
+            print!("{}", output::table(&["PARTITION", "DESCRIPTION"], &rows));
+        }
+    }
+    Ok(())
+}

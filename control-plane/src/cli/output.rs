@@ -1,0 +1,299 @@
+//! How `gpuctl` prints things: aligned tables for people, JSON for programs.
+
+use proto::v1 as pb;
+use serde_json::{Value, json};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Table,
+    Json,
+}
+
+/// Left-aligned columns separated by two spaces, like `squeue` and `kubectl get`.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            if i < widths.len() {
+                widths[i] = widths[i].max(cell.chars().count());
+            }
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let mut l = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                l.push_str(c);
+            } else {
+                l.push_str(&format!("{c:<w$}  ", w = widths[i]));
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(headers.to_vec());
+    for row in rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+/// UTC time of a millisecond timestamp, as `2026-12-02 15:52:18`.
+pub fn format_time(at_ms: u64) -> String {
+    let secs = at_ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+pub fn format_duration(secs: u64) -> String {
+    if secs == 0 {
+        return "-".into();
+    }
+    let (d, h, m, s) = (secs / 86_400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
+    if d > 0 {
+        format!("{d}-{h:02}:{m:02}:{s:02}")
+    } else {
+        format!("{h:02}:{m:02}:{s:02}")
+    }
+}
+
+/// Seconds since `at_ms`, as an age ("5s", "3m", "2h", "4d").
+pub fn age(at_ms: u64, now_ms: u64) -> String {
+    let s = now_ms.saturating_sub(at_ms) / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m", s / 60),
+        3600..86_400 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86_400),
+    }
+}
+
+fn dependency_json(d: &pb::Dependency) -> Value {
+    let kind = match pb::dependency::Kind::try_from(d.kind) {
+        Ok(pb::dependency::Kind::AfterOk) => "afterok",
+        Ok(pb::dependency::Kind::AfterAny) => "afterany",
+        Ok(pb::dependency::Kind::AfterNotOk) => "afternotok",
+        _ => "unknown",
+    };
+    json!({"kind": kind, "job": d.job_id})
+}
+
+pub fn job_json(j: &pb::Job) -> Value {
+    let spec = j.spec.clone().unwrap_or_default();
+    json!({
+        "id": j.id,
+        "tenant": spec.tenant,
+        "name": spec.name,
+        "state": j.state,
+        "command": spec.command,
+        "gpus_per_task": spec.gpus_per_task,
+        "tasks": spec.tasks,
+        "gpu_models": spec.gpu_models,
+        "partition": spec.partition,
+        "priority_class": spec.priority_class,
+        "time_limit_secs": spec.time_limit_secs,
+        "dependencies": spec.dependencies.iter().map(dependency_json).collect::<Vec<_>>(),
+        "cpu_milli_per_task": spec.cpu_milli_per_task,
+        "memory_mib_per_task": spec.memory_mib_per_task,
+        "env": spec.env,
+        "idempotency_key": j.idempotency_key,
+        "submitted_at_ms": j.submitted_at_ms,
+        "version": j.version,
+        "history": j.history.iter().map(|h| json!({"at_ms": h.at_ms, "state": h.state, "reason": h.reason})).collect::<Vec<_>>(),
+        "allocations": j.allocations.iter().map(|a| json!({
+            "id": a.id, "node": a.node, "gpus": a.gpus, "term": a.term, "epoch": a.epoch, "created_at_ms": a.created_at_ms,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
+    let rows: Vec<Vec<String>> = jobs
+        .iter()
+        .map(|j| {
+            let spec = j.spec.clone().unwrap_or_default();
+            let nodes: Vec<&str> = j.allocations.iter().map(|a| a.node.as_str()).collect();
+            let reason = j.history.last().map(|h| h.reason.clone()).unwrap_or_default();
+            vec![
+                j.id.to_string(),
+                spec.tenant,
+                if spec.name.is_empty() { spec.command.first().cloned().unwrap_or_default() } else { spec.name },
+                j.state.to_uppercase(),
+                format!("{}x{}", spec.tasks, spec.gpus_per_task),
+                if spec.partition.is_empty() { "-".into() } else { spec.partition },
+                format_duration(spec.time_limit_secs as u64),
+                age(j.submitted_at_ms, now_ms),
+                if nodes.is_empty() { reason } else { nodes.join(",") },
+            ]
+        })
+        .collect();
+    table(
+        &["JOBID", "TENANT", "NAME", "STATE", "TASKSxGPUS", "PARTITION", "TIME_LIMIT", "AGE", "NODES/REASON"],
+        &rows,
+    )
+}
+
+pub fn job_details(j: &pb::Job) -> String {
+    let spec = j.spec.clone().unwrap_or_default();
+    let mut out = String::new();
+    let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
+    kv("Job:", j.id.to_string());
+    kv("State:", j.state.to_uppercase());
+    kv("Tenant:", spec.tenant.clone());
+    kv("Name:", spec.name.clone());
+    kv("Command:", spec.command.join(" "));
+    kv("Resources:", format!(
+        "{} task(s) x {} GPU(s), {} mCPU, {} MiB per task",
+        spec.tasks, spec.gpus_per_task, spec.cpu_milli_per_task, spec.memory_mib_per_task
+    ));
+    kv("GPU models:", if spec.gpu_models.is_empty() { "any".into() } else { spec.gpu_models.join("|") });
+    kv("Partition:", if spec.partition.is_empty() { "-".into() } else { spec.partition.clone() });
+    kv("Priority:", spec.priority_class.clone());
+    kv("Time limit:", format_duration(spec.time_limit_secs as u64));
+    if !spec.dependencies.is_empty() {
+        let deps: Vec<String> = spec.dependencies.iter().map(|d| {
+            let v = dependency_json(d);
+            format!("{}:{}", v["kind"].as_str().unwrap_or("?"), d.job_id)
+        }).collect();
+        kv("Dependencies:", deps.join(","));
+    }
+    if !j.idempotency_key.is_empty() {
+        kv("Idem. key:", j.idempotency_key.clone());
+    }
+    for a in &j.allocations {
+        kv("Allocation:", format!("{} on {} GPUs [{}] (term {})", a.id, a.node, a.gpus.join(", "), a.term));
+    }
+    out.push_str("History:\n");
+    for h in &j.history {
+        out.push_str(&format!("  {}  {:<10} {}\n", format_time(h.at_ms), h.state.to_uppercase(), h.reason));
+    }
+    out
+}
+
+pub fn node_json(n: &pb::Node) -> Value {
+    json!({
+        "name": n.name,
+        "status": n.status,
+        "partition": n.partition,
+        "labels": n.labels,
+        "cpu_milli": n.cpu_milli,
+        "memory_mib": n.memory_mib,
+        "registered_at_ms": n.registered_at_ms,
+        "gpus": n.gpus.iter().map(|g| json!({
+            "uuid": g.uuid, "index": g.index, "model": g.model, "memory_mib": g.memory_mib,
+            "numa_node": if g.numa_node < 0 { Value::Null } else { json!(g.numa_node) },
+            "pci_bus_id": g.pci_bus_id, "health": g.health, "health_reason": g.health_reason,
+            "allocation": if g.allocation == 0 { Value::Null } else { json!(g.allocation) },
+        })).collect::<Vec<_>>(),
+    })
+}
+
+pub fn nodes_table(nodes: &[pb::Node]) -> String {
+    let rows: Vec<Vec<String>> = nodes
+        .iter()
+        .map(|n| {
+            let used = n.gpus.iter().filter(|g| g.allocation != 0).count();
+            let unhealthy = n.gpus.iter().filter(|g| g.health != "healthy").count();
+            let mut models: Vec<&str> = n.gpus.iter().map(|g| g.model.as_str()).collect();
+            models.dedup();
+            vec![
+                n.name.clone(),
+                n.status.to_uppercase(),
+                if n.partition.is_empty() { "-".into() } else { n.partition.clone() },
+                models.join(","),
+                format!("{used}/{}", n.gpus.len()),
+                unhealthy.to_string(),
+                format!("{}", n.cpu_milli / 1000),
+                format!("{}", n.memory_mib / 1024),
+            ]
+        })
+        .collect();
+    table(&["NODE", "STATUS", "PARTITION", "MODEL", "GPUS_USED", "UNHEALTHY", "CPUS", "MEM_GIB"], &rows)
+}
+
+pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
+    json!({
+        "cluster": s.cluster,
+        "answered_by": s.id,
+        "leader": if s.leader == 0 { Value::Null } else { json!(s.leader) },
+        "term": s.term,
+        "commit_index": s.commit_index,
+        "applied_index": s.applied_index,
+        "last_log_index": s.last_log_index,
+        "snapshot_index": s.snapshot_index,
+        "state": s.state,
+        "jobs": s.jobs,
+        "nodes": s.nodes,
+        "members": s.members.iter().map(|m| json!({
+            "id": m.id, "address": m.address, "role": m.role, "matched_index": m.matched_index,
+            "leader": m.id == s.leader,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
+    let mut out = format!(
+        "cluster {}: leader {}, term {}, commit index {}, applied {} (answered by replica {}, {})\n\n",
+        s.cluster,
+        if s.leader == 0 { "none".to_owned() } else { s.leader.to_string() },
+        s.term,
+        s.commit_index,
+        s.applied_index,
+        s.id,
+        s.state
+    );
+    let rows: Vec<Vec<String>> = s
+        .members
+        .iter()
+        .map(|m| {
+            vec![
+                m.id.to_string(),
+                m.address.clone(),
+                if m.id == s.leader { format!("{} (leader)", m.role) } else { m.role.clone() },
+                if s.id == s.leader { m.matched_index.to_string() } else { "-".into() },
+            ]
+        })
+        .collect();
+    out.push_str(&table(&["ID", "ADDRESS", "ROLE", "MATCHED_INDEX"], &rows));
+    out.push_str(&format!("\n{} jobs, {} nodes\n", s.jobs, s.nodes));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_columns_align() {
+        let t = table(&["A", "LONGER"], &[vec!["xyz".into(), "1".into()]]);
+        assert_eq!(t, "A    LONGER\nxyz  1\n");
+    }
+
+    #[test]
+    fn times_print_in_utc() {
+        assert_eq!(format_time(0), "1970-01-01 00:00:00");
+        assert_eq!(format_time(1_796_226_738_000), "2026-12-02 15:52:18");
+    }
+
+    #[test]
+    fn durations_read_like_slurm() {
+        assert_eq!(format_duration(86_400 + 3661), "1-01:01:01");
+        assert_eq!(format_duration(59), "00:00:59");
+        assert_eq!(format_duration(0), "-");
+    }
+}

@@ -1,0 +1,147 @@
+//! `gpuctl submit`: Slurm-like flags to a `JobSpec`, with an idempotency key so that retries
+//! across replicas (and after a leader failover) never create a second job.
+
+use std::collections::HashMap;
+
+use anyhow::{Context, bail};
+use proto::v1 as pb;
+use serde_json::json;
+
+use super::output::Format;
+use super::parse::{parse_dependencies, parse_mem_mib, parse_time_limit};
+use crate::client::{Client, with_timeout};
+
+#[derive(clap::Args)]
+pub struct SubmitArgs {
+    /// GPUs per task (Slurm's `--gpus-per-task`).
+    #[arg(long, short = 'G', alias = "gpus-per-task", default_value_t = 1, allow_negative_numbers = true)]
+    pub gpus: i64,
+    /// Number of tasks; tasks of one job are placed all together or not at all.
+    #[arg(long, short = 'n', alias = "ntasks", default_value_t = 1, allow_negative_numbers = true)]
+    pub tasks: i64,
+    /// Time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (or 90s, 30m, 12h, 2d).
+    #[arg(long, short = 't')]
+    pub time: Option<String>,
+    #[arg(long, short = 'p')]
+    pub partition: Option<String>,
+    /// Tenant (team or account) the job is charged to.
+    #[arg(long, short = 'A', alias = "account", env = "GPUCTL_TENANT", default_value = "default")]
+    pub tenant: String,
+    /// Job name (defaults to the program's name).
+    #[arg(long, short = 'J', alias = "job-name")]
+    pub name: Option<String>,
+    /// Acceptable GPU models, e.g. `A100|H100` (repeat or separate with `|`).
+    #[arg(long = "gpu-model", short = 'C', alias = "constraint")]
+    pub gpu_models: Vec<String>,
+    /// Priority class: low, normal or high.
+    #[arg(long, default_value = "normal")]
+    pub priority: String,
+    /// CPUs per task (fractions allowed, e.g. 0.5).
+    #[arg(long, short = 'c', alias = "cpus-per-task")]
+    pub cpus: Option<f64>,
+    /// Host memory per task: MiB, or with K/M/G/T suffix.
+    #[arg(long)]
+    pub mem: Option<String>,
+    /// Dependencies: afterok:ID[:ID...],afterany:ID,afternotok:ID.
+    #[arg(long, short = 'd')]
+    pub dependency: Option<String>,
+    /// Environment variables for the job, KEY=VALUE (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// A retry with the same key returns the job the first attempt created. Generated when
+    /// omitted, so gpuctl's own retries are safe.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    /// The program and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// A key unique enough for one client's retries: time, process id and a counter.
+fn generated_key() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "gpuctl-{nanos:x}-{:x}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
+    let time_limit_secs = match &args.time {
+        Some(t) => parse_time_limit(t)? as i64,
+        None => 0,
+    };
+    let cpu_milli_per_task = match args.cpus {
+        Some(c) if !(c.is_finite() && c >= 0.0) => bail!("--cpus {c} is not a CPU count"),
+        Some(c) => (c * 1000.0).round() as i64,
+        None => 0,
+    };
+    let memory_mib_per_task = match &args.mem {
+        Some(m) => parse_mem_mib(m)? as i64,
+        None => 0,
+    };
+    let dependencies = match &args.dependency {
+        Some(d) => parse_dependencies(d)?,
+        None => Vec::new(),
+    };
+    let mut env = HashMap::new();
+    for kv in &args.env {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--env {kv:?} is not KEY=VALUE"))?;
+        env.insert(k.to_owned(), v.to_owned());
+    }
+    let gpu_models = args
+        .gpu_models
+        .iter()
+        .flat_map(|m| m.split('|'))
+        .map(|m| m.trim().to_owned())
+        .filter(|m| !m.is_empty())
+        .collect();
+    let name = args.name.unwrap_or_else(|| {
+        args.command
+            .first()
+            .map(|c| c.rsplit('/').next().unwrap_or(c).to_owned())
+            .unwrap_or_default()
+    });
+    Ok(pb::SubmitJobRequest {
+        spec: Some(pb::JobSpec {
+            tenant: args.tenant,
+            name,
+            command: args.command,
+            gpus_per_task: args.gpus,
+            tasks: args.tasks,
+            gpu_models,
+            partition: args.partition.unwrap_or_default(),
+            priority_class: args.priority,
+            time_limit_secs,
+            dependencies,
+            cpu_milli_per_task,
+            memory_mib_per_task,
+            env,
+        }),
+        idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
+    })
+}
+
+pub async fn run(client: &mut Client, args: SubmitArgs, fmt: Format) -> anyhow::Result<()> {
+    let req = build_request(args)?;
+    let resp = client
+        .call(|mut c, t| {
+            let req = req.clone();
+            async move { c.submit_job(with_timeout(req, t)).await }
+        })
+        .await?;
+    match fmt {
+        Format::Json => println!("{}", json!({"id": resp.id, "created": resp.created})),
+        Format::Table if resp.created => println!("Submitted job {}", resp.id),
+        Format::Table => println!("Job {} already exists for this idempotency key", resp.id),
+    }
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! A replica's data directory: `cluster.json` (format version, cluster name, replica id) and
+//! the sled database under `raft/`. Opening checks that the directory belongs to this cluster
+//! and replica and was written by a format this binary understands; anything else is refused
+//! with a message, never silently started empty.
+
+use std::fs;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Bump when the on-disk layout changes incompatibly.
+pub const FORMAT_VERSION: u32 = 1;
+const META_FILE: &str = "cluster.json";
+const RAFT_DIR: &str = "raft";
+
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct Meta {
+    format_version: u32,
+    cluster: String,
+    replica_id: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataDirError {
+    #[error("cannot use data directory {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "data directory {path} is not empty but has no {META_FILE}: it is not a control-plane data directory (or its metadata was lost); point --data-dir at an empty or existing replica directory"
+    )]
+    Foreign { path: PathBuf },
+    #[error("data directory {path} is corrupt: {detail}; restore it from a backup or wipe it and rejoin the replica with --join")]
+    Corrupt { path: PathBuf, detail: String },
+    #[error(
+        "data directory {path} belongs to cluster {found:?}, but this replica is configured for cluster {expected:?}; refusing to mix clusters"
+    )]
+    OtherCluster {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
+    #[error("data directory {path} belongs to replica {found}, but this replica has --id {expected}")]
+    OtherReplica {
+        path: PathBuf,
+        found: u64,
+        expected: u64,
+    },
+    #[error(
+        "data directory {path} was written by a newer gpu-control-plane (format {found}; this binary understands up to {FORMAT_VERSION}); upgrade the binary"
+    )]
+    NewerFormat { path: PathBuf, found: u32 },
+}
+
+pub struct DataDir {
+    pub path: PathBuf,
+    /// Created by this start: the replica has never been part of a cluster.
+    pub fresh: bool,
+    pub db: sled::Db,
+}
+
+impl DataDir {
+    pub fn open(path: &Path, cluster: &str, replica_id: u64) -> Result<DataDir, DataDirError> {
+        let io = |source| DataDirError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        fs::create_dir_all(path).map_err(io)?;
+        let meta_path = path.join(META_FILE);
+        let fresh = match fs::read(&meta_path) {
+            Ok(bytes) => {
+                let meta: Meta =
+                    serde_json::from_slice(&bytes).map_err(|e| DataDirError::Corrupt {
+                        path: path.to_owned(),
+                        detail: format!("{META_FILE} does not parse: {e}"),
+                    })?;
+                if meta.format_version > FORMAT_VERSION {
+                    return Err(DataDirError::NewerFormat {
+                        path: path.to_owned(),
+                        found: meta.format_version,
+                    });
+                }
+                if meta.cluster != cluster {
+                    return Err(DataDirError::OtherCluster {
+                        path: path.to_owned(),
+                        found: meta.cluster,
+                        expected: cluster.to_owned(),
+                    });
+                }
+                if meta.replica_id != replica_id {
+                    return Err(DataDirError::OtherReplica {
+                        path: path.to_owned(),
+                        found: meta.replica_id,
+                        expected: replica_id,
+                    });
+                }
+                if !path.join(RAFT_DIR).is_dir() {
+                    return Err(DataDirError::Corrupt {
+                        path: path.to_owned(),
+                        detail: format!("{META_FILE} is present but the {RAFT_DIR}/ database is missing"),
+                    });
+                }
+                false
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                if fs::read_dir(path).map_err(io)?.next().is_some() {
+                    return Err(DataDirError::Foreign {
+                        path: path.to_owned(),
+                    });
+                }
+                let meta = Meta {
+                    format_version: FORMAT_VERSION,
+                    cluster: cluster.to_owned(),
+                    replica_id,
+                };
+                // Written to a temporary name and renamed, so a crash never leaves half a file.
+                let tmp = path.join(format!("{META_FILE}.tmp"));
+                let bytes = serde_json::to_vec_pretty(&meta).expect("Meta always serializes");
+                fs::write(&tmp, bytes).map_err(io)?;
+                fs::rename(&tmp, &meta_path).map_err(io)?;
+                true
+            }
+            Err(e) => return Err(io(e)),
+        };
+        let db = open_sled(&path.join(RAFT_DIR)).map_err(|detail| DataDirError::Corrupt {
+            path: path.to_owned(),
+            detail,
+        })?;
+        Ok(DataDir {
+            path: path.to_owned(),
+            fresh,
+            db,
+        })
+    }
+
+    pub fn corrupt(&self, detail: String) -> DataDirError {
+        DataDirError::Corrupt {
+            path: self.path.clone(),
+            detail,
+        }
+    }
+}
+
+fn open_sled(path: &Path) -> Result<sled::Db, String> {
+    let path = path.to_owned();
+    // sled can panic instead of returning an error on some damaged files; either way the
+    // directory is unusable and the operator gets the same message.
+    std::panic::catch_unwind(move || sled::Config::new().path(path).open())
+        .map_err(|_| "the sled database panicked while opening".to_owned())?
+        .map_err(|e| format!("the sled database does not open: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_directory_is_fresh_and_reopens_as_not_fresh() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = DataDir::open(dir.path(), "c", 1).unwrap();
+        assert!(d.fresh);
+        drop(d);
+        let d = DataDir::open(dir.path(), "c", 1).unwrap();
+        assert!(!d.fresh);
+    }
+
+    #[test]
+    fn another_clusters_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(DataDir::open(dir.path(), "prod", 1).unwrap());
+        let err = DataDir::open(dir.path(), "staging", 1).err().unwrap();
+        assert!(matches!(err, DataDirError::OtherCluster { .. }), "{err}");
+        let err = DataDir::open(dir.path(), "prod", 2).err().unwrap();
+        assert!(matches!(err, DataDirError::OtherReplica { .. }), "{err}");
+    }
+
+    #[test]
+    fn newer_format_and_garbage_metadata_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(DataDir::open(dir.path(), "c", 1).unwrap());
+        let meta = dir.path().join(META_FILE);
+        fs::write(&meta, r#"{"format_version": 99, "cluster": "c", "replica_id": 1}"#).unwrap();
+        let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
+        assert!(matches!(err, DataDirError::NewerFormat { found: 99, .. }), "{err}");
+        fs::write(&meta, b"\x00\x01garbage").unwrap();
+        let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
+        assert!(matches!(err, DataDirError::Corrupt { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_non_empty_directory_without_metadata_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("notes.txt"), "hello").unwrap();
+        let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
+        assert!(matches!(err, DataDirError::Foreign { .. }), "{err}");
+    }
+}

@@ -1,0 +1,234 @@
+//! The Raft log in sled. Keys of the `logs` tree are big-endian indexes so sled's order is log
+//! order; values are JSON-encoded entries. The vote, the commit index and the last purged log
+//! id live in the `raft_meta` tree.
+//!
+//! Durability: `append`, `save_vote` and `truncate` flush sled (one fsync) before they report
+//! success; openraft acknowledges a client write only after a majority has done so.
+
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
+use openraft::{OptionalSend, RaftLogReader, StorageIOError, Vote};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
+
+const VOTE: &str = "vote";
+const COMMITTED: &str = "committed";
+const LAST_PURGED: &str = "last_purged";
+
+#[derive(Clone)]
+pub struct LogStore {
+    db: sled::Db,
+    logs: sled::Tree,
+    meta: sled::Tree,
+    /// Last commit index openraft reported, for status pages (0 when none).
+    committed_index: Arc<AtomicU64>,
+}
+
+fn key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> {
+    serde_json::from_slice(bytes)
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json::to_vec(value)
+}
+
+impl LogStore {
+    pub fn open(db: &sled::Db) -> Result<LogStore, sled::Error> {
+        let store = LogStore {
+            db: db.clone(),
+            logs: db.open_tree("logs")?,
+            meta: db.open_tree("raft_meta")?,
+            committed_index: Arc::new(AtomicU64::new(0)),
+        };
+        Ok(store)
+    }
+
+    /// Reads every stored entry and the metadata once, so a damaged store is found at start-up
+    /// rather than when the leader first needs an old entry.
+    pub fn verify(&self) -> Result<(), String> {
+        for item in self.logs.iter() {
+            let (k, v) = item.map_err(|e| format!("reading the Raft log: {e}"))?;
+            let entry: Entry = decode(&v).map_err(|e| {
+                format!("Raft log entry at key {:?} does not decode: {e}", k.as_ref())
+            })?;
+            if k.as_ref() != key(entry.log_id.index) {
+                return Err(format!(
+                    "Raft log entry {} is stored under the wrong key",
+                    entry.log_id.index
+                ));
+            }
+        }
+        if let Some(v) = self.meta.get(VOTE).map_err(|e| e.to_string())? {
+            decode::<Vote<NodeId>>(&v).map_err(|e| format!("stored vote does not decode: {e}"))?;
+        }
+        Ok(())
+    }
+
+    pub fn committed_index(&self) -> Arc<AtomicU64> {
+        self.committed_index.clone()
+    }
+
+    fn get_meta<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, StorageError> {
+        let Some(bytes) = self
+            .meta
+            .get(name)
+            .map_err(|e| StorageIOError::read(&e))?
+        else {
+            return Ok(None);
+        };
+        decode(&bytes)
+            .map(Some)
+            .map_err(|e| StorageIOError::read(&e).into())
+    }
+
+    fn put_meta<T: Serialize>(&self, name: &str, value: &T) -> Result<(), StorageError> {
+        let bytes = encode(value).map_err(|e| StorageIOError::write(&e))?;
+        self.meta
+            .insert(name, bytes)
+            .map_err(|e| StorageIOError::write(&e))?;
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), StorageError> {
+        self.db
+            .flush_async()
+            .await
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        Ok(())
+    }
+
+    fn remove_range(&self, from: u64, to_inclusive: Option<u64>) -> Result<(), StorageError> {
+        let end = match to_inclusive {
+            Some(t) => Bound::Included(key(t)),
+            None => Bound::Unbounded,
+        };
+        let mut batch = sled::Batch::default();
+        for item in self.logs.range((Bound::Included(key(from)), end)) {
+            let (k, _) = item.map_err(|e| StorageIOError::write_logs(&e))?;
+            batch.remove(k);
+        }
+        self.logs
+            .apply_batch(batch)
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        Ok(())
+    }
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry>, StorageError> {
+        let start = match range.start_bound() {
+            Bound::Included(i) => Bound::Included(key(*i)),
+            Bound::Excluded(i) => Bound::Excluded(key(*i)),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(i) => Bound::Included(key(*i)),
+            Bound::Excluded(i) => Bound::Excluded(key(*i)),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        let mut entries = Vec::new();
+        for item in self.logs.range((start, end)) {
+            let (_, v) = item.map_err(|e| StorageIOError::read_logs(&e))?;
+            entries.push(decode(&v).map_err(|e| StorageIOError::read_logs(&e))?);
+        }
+        Ok(entries)
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
+        let last_purged: Option<LogId> = self.get_meta(LAST_PURGED)?;
+        let last = match self.logs.last().map_err(|e| StorageIOError::read_logs(&e))? {
+            Some((_, v)) => {
+                let entry: Entry = decode(&v).map_err(|e| StorageIOError::read_logs(&e))?;
+                Some(entry.log_id)
+            }
+            None => last_purged,
+        };
+        Ok(LogState {
+            last_purged_log_id: last_purged,
+            last_log_id: last,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
+        self.put_meta(VOTE, vote)
+            .map_err(|e| StorageIOError::write_vote(&e))?;
+        self.db
+            .flush_async()
+            .await
+            .map_err(|e| StorageIOError::write_vote(&e))?;
+        Ok(())
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError> {
+        self.get_meta(VOTE)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
+        if let Some(c) = committed {
+            self.committed_index.store(c.index, Ordering::Relaxed);
+        }
+        // Not flushed: losing it only means re-learning the commit index from the leader.
+        self.put_meta(COMMITTED, &committed)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
+        let committed: Option<Option<LogId>> = self.get_meta(COMMITTED)?;
+        let committed = committed.flatten();
+        if let Some(c) = committed {
+            self.committed_index.store(c.index, Ordering::Relaxed);
+        }
+        Ok(committed)
+    }
+
+    #[tracing::instrument(level = "debug", skip_all, name = "raft.append")]
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<(), StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut batch = sled::Batch::default();
+        for entry in entries {
+            let bytes = encode(&entry).map_err(|e| StorageIOError::write_logs(&e))?;
+            batch.insert(&key(entry.log_id.index), bytes);
+        }
+        self.logs
+            .apply_batch(batch)
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        self.flush().await?;
+        callback.log_io_completed(Ok(()));
+        Ok(())
+    }
+
+    async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        self.remove_range(log_id.index, None)?;
+        self.flush().await
+    }
+
+    async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
+        // Record the purge point first: entries at or before it are ignored from then on, so a
+        // crash between the two steps leaves nothing inconsistent.
+        self.put_meta(LAST_PURGED, &log_id)?;
+        self.remove_range(0, Some(log_id.index))
+    }
+}

@@ -1,0 +1,69 @@
+//! openraft wiring: the type configuration, the sled-backed log store and state machine, and
+//! the peer network over tonic.
+//!
+//! - `log_store`: the Raft log, vote and commit index in sled; an append is acknowledged only
+//!   after sled has flushed it to disk.
+//! - `state_machine`: the in-memory `ClusterState` behind a lock, applied from the log, with
+//!   snapshots persisted in sled so a restart starts from the last snapshot.
+//! - `network` / `peer_service`: Raft RPCs between replicas as tonic calls.
+
+// openraft's StorageError is large by design; boxing it at every call would only add noise.
+#![allow(clippy::result_large_err)]
+
+pub mod log_store;
+pub mod network;
+pub mod peer_service;
+pub mod state_machine;
+#[cfg(test)]
+mod store_suite;
+
+use std::io::Cursor;
+
+use crate::state::{Outcome, Request};
+
+pub type NodeId = u64;
+
+openraft::declare_raft_types!(
+    /// Raft types of the control plane: entries carry a stamped `Command`, responses an `Outcome`.
+    pub TypeConfig:
+        D = Request,
+        R = Outcome,
+        NodeId = NodeId,
+        Node = openraft::BasicNode,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+pub type Raft = openraft::Raft<TypeConfig>;
+pub type LogId = openraft::LogId<NodeId>;
+pub type StorageError = openraft::StorageError<NodeId>;
+pub type Entry = openraft::Entry<TypeConfig>;
+
+/// Raft timing and log-compaction settings (every default lives in `config.rs`).
+#[derive(Debug, Clone)]
+pub struct RaftTuning {
+    pub heartbeat_ms: u64,
+    pub election_min_ms: u64,
+    pub election_max_ms: u64,
+    /// Build a snapshot after this many entries since the last one.
+    pub snapshot_every: u64,
+    /// Entries kept behind a snapshot, so a briefly lagging follower needs no snapshot.
+    pub keep_behind_snapshot: u64,
+}
+
+impl RaftTuning {
+    pub fn openraft_config(&self, cluster: &str) -> anyhow::Result<openraft::Config> {
+        let config = openraft::Config {
+            cluster_name: cluster.to_owned(),
+            heartbeat_interval: self.heartbeat_ms,
+            election_timeout_min: self.election_min_ms,
+            election_timeout_max: self.election_max_ms,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.snapshot_every),
+            max_in_snapshot_log_to_keep: self.keep_behind_snapshot,
+            install_snapshot_timeout: 2_000,
+            ..Default::default()
+        };
+        Ok(config.validate()?)
+    }
+}

@@ -1,0 +1,142 @@
+//! Outgoing Raft RPCs: one lazily connected tonic channel per peer. Payloads are openraft's
+//! types as JSON inside a `RaftMessage` envelope that names the cluster.
+//!
+//! Error mapping follows openraft's expectations: a connection failure is `Unreachable` (Raft
+//! backs off), an error the remote Raft returned is `RemoteError`.
+
+use std::time::Duration;
+
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use proto::raft::RaftMessage;
+use proto::raft::raft_peer_client::RaftPeerClient;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::transport::{Channel, Endpoint};
+
+use super::{NodeId, TypeConfig};
+
+/// Creates clients for peers. Cloned into openraft.
+#[derive(Clone)]
+pub struct PeerNetwork {
+    pub cluster: String,
+}
+
+pub struct PeerClient {
+    cluster: String,
+    target: NodeId,
+    addr: String,
+    client: Option<RaftPeerClient<Channel>>,
+}
+
+/// A channel that connects on first use; building it cannot fail for a well-formed address.
+pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_millis(500))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .connect_lazy())
+}
+
+impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+        PeerClient {
+            cluster: self.cluster.clone(),
+            target,
+            addr: node.addr.clone(),
+            client: None,
+        }
+    }
+}
+
+type RpcResult<T, E> = Result<T, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>;
+
+impl PeerClient {
+    fn client(&mut self) -> Result<RaftPeerClient<Channel>, Unreachable> {
+        if self.client.is_none() {
+            let channel = lazy_channel(&self.addr).map_err(|e| Unreachable::new(&e))?;
+            self.client = Some(
+                RaftPeerClient::new(channel)
+                    .max_decoding_message_size(256 * 1024 * 1024)
+                    .max_encoding_message_size(256 * 1024 * 1024),
+            );
+        }
+        // Set just above.
+        Ok(self.client.clone().expect("client was just created"))
+    }
+
+    async fn call<Req, Resp, E>(&mut self, rpc: &'static str, req: &Req, option: &RPCOption) -> RpcResult<Resp, E>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let payload = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let mut request = tonic::Request::new(RaftMessage {
+            cluster: self.cluster.clone(),
+            payload,
+        });
+        request.set_timeout(option.hard_ttl());
+        let mut client = self.client().map_err(RPCError::Unreachable)?;
+        let response = match rpc {
+            "append" => client.append_entries(request).await,
+            "vote" => client.vote(request).await,
+            _ => client.install_snapshot(request).await,
+        };
+        let response = match response {
+            Ok(r) => r.into_inner(),
+            Err(status) => {
+                return Err(match status.code() {
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+                        RPCError::Unreachable(Unreachable::new(&status))
+                    }
+                    _ => RPCError::Network(NetworkError::new(&status)),
+                });
+            }
+        };
+        let result: Result<Resp, RaftError<NodeId, E>> = serde_json::from_slice(&response.payload)
+            .map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        result.map_err(|e| {
+            RPCError::RemoteError(RemoteError::new_with_node(
+                self.target,
+                BasicNode::new(self.addr.clone()),
+                e,
+            ))
+        })
+    }
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
+        self.call("append", &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
+        self.call("snapshot", &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
+        self.call("vote", &rpc, &option).await
+    }
+}

@@ -1,0 +1,58 @@
+//! Incoming Raft RPCs: decodes the envelope, refuses other clusters, hands the request to the
+//! local openraft instance and encodes its result (success or Raft error) back as JSON.
+
+use proto::raft::RaftMessage;
+use proto::raft::raft_peer_server::RaftPeer;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::{Request, Response, Status};
+
+use super::Raft;
+
+pub struct PeerService {
+    pub cluster: String,
+    pub raft: Raft,
+}
+
+impl PeerService {
+    fn decode<T: DeserializeOwned>(&self, msg: &RaftMessage) -> Result<T, Status> {
+        if msg.cluster != self.cluster {
+            return Err(Status::failed_precondition(format!(
+                "this replica belongs to cluster {:?}, the caller to {:?}",
+                self.cluster, msg.cluster
+            )));
+        }
+        serde_json::from_slice(&msg.payload)
+            .map_err(|e| Status::invalid_argument(format!("undecodable Raft payload: {e}")))
+    }
+
+    fn encode<T: Serialize>(&self, result: &T) -> Result<Response<RaftMessage>, Status> {
+        let payload = serde_json::to_vec(result)
+            .map_err(|e| Status::internal(format!("encoding Raft response: {e}")))?;
+        Ok(Response::new(RaftMessage {
+            cluster: self.cluster.clone(),
+            payload,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl RaftPeer for PeerService {
+    async fn append_entries(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let req = self.decode(request.get_ref())?;
+        let result = self.raft.append_entries(req).await;
+        self.encode(&result)
+    }
+
+    async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let req = self.decode(request.get_ref())?;
+        let result = self.raft.vote(req).await;
+        self.encode(&result)
+    }
+
+    async fn install_snapshot(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let req = self.decode(request.get_ref())?;
+        let result = self.raft.install_snapshot(req).await;
+        self.encode(&result)
+    }
+}

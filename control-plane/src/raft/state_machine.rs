@@ -1,0 +1,265 @@
+//! The Raft state machine: `ClusterState` in memory behind a lock, applied from committed
+//! entries, with the latest snapshot persisted in sled. A restarted replica loads that snapshot
+//! and openraft re-applies the committed entries after it.
+//!
+//! Readers (the API) take the lock briefly and never across an `.await`. Every applied change
+//! to a job is also published on a broadcast channel for `WatchJobs`.
+
+use std::io::Cursor;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{
+    BasicNode, EntryPayload, OptionalSend, RaftSnapshotBuilder, SnapshotMeta, StorageIOError,
+    StoredMembership,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
+use crate::state::{ClusterState, Job, Outcome};
+
+const SNAPSHOT_KEY: &str = "current";
+/// How many job changes a slow watcher may fall behind before it is told to re-list.
+const EVENT_BUFFER: usize = 16 * 1024;
+
+/// Everything a snapshot holds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StateMachineData {
+    pub last_applied: Option<LogId>,
+    pub last_membership: StoredMembership<NodeId, BasicNode>,
+    pub cluster: ClusterState,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<NodeId, BasicNode>,
+    data: Vec<u8>,
+}
+
+/// A job as it was right after a log entry changed it.
+#[derive(Debug, Clone)]
+pub struct JobEvent {
+    pub job: Job,
+    pub log_index: u64,
+}
+
+struct Shared {
+    data: RwLock<StateMachineData>,
+    snapshots: sled::Tree,
+    events: broadcast::Sender<JobEvent>,
+    snapshot_seq: AtomicU64,
+}
+
+/// Cheap to clone: every clone shares the same state.
+#[derive(Clone)]
+pub struct StateMachineStore {
+    shared: Arc<Shared>,
+}
+
+impl StateMachineStore {
+    /// Opens the state machine, loading the persisted snapshot if there is one. A snapshot
+    /// that does not decode is an error: the replica must not start with empty state.
+    pub fn open(db: &sled::Db) -> Result<StateMachineStore, String> {
+        let snapshots = db
+            .open_tree("snapshot")
+            .map_err(|e| format!("opening the snapshot tree: {e}"))?;
+        let mut data = StateMachineData::default();
+        if let Some(bytes) = snapshots
+            .get(SNAPSHOT_KEY)
+            .map_err(|e| format!("reading the snapshot: {e}"))?
+        {
+            let stored: StoredSnapshot = serde_json::from_slice(&bytes)
+                .map_err(|e| format!("the stored snapshot does not decode: {e}"))?;
+            data = serde_json::from_slice(&stored.data)
+                .map_err(|e| format!("the stored snapshot's state does not decode: {e}"))?;
+            data.cluster
+                .check_consistency()
+                .map_err(|e| format!("the stored snapshot is inconsistent: {e}"))?;
+        }
+        let (events, _) = broadcast::channel(EVENT_BUFFER);
+        Ok(StateMachineStore {
+            shared: Arc::new(Shared {
+                data: RwLock::new(data),
+                snapshots,
+                events,
+                snapshot_seq: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// Read access to the applied state. Keep the guard short and never hold it across `.await`.
+    pub fn read(&self) -> RwLockReadGuard<'_, StateMachineData> {
+        // A poisoned lock means an apply panicked half-way; the state cannot be trusted.
+        self.shared.data.read().expect("state machine lock poisoned")
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
+        self.shared.events.subscribe()
+    }
+
+    fn write_snapshot(&self, stored: &StoredSnapshot) -> Result<(), StorageError> {
+        let bytes = serde_json::to_vec(stored)
+            .map_err(|e| StorageIOError::write_snapshot(Some(stored.meta.signature()), &e))?;
+        self.shared
+            .snapshots
+            .insert(SNAPSHOT_KEY, bytes)
+            .map_err(|e| StorageIOError::write_snapshot(Some(stored.meta.signature()), &e))?;
+        self.shared
+            .snapshots
+            .flush()
+            .map_err(|e| StorageIOError::write_snapshot(Some(stored.meta.signature()), &e))?;
+        Ok(())
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    #[tracing::instrument(level = "info", skip_all, name = "raft.build_snapshot")]
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        // Serialize under the read lock: applies wait, readers do not.
+        let (bytes, last_applied, last_membership) = {
+            let data = self.read();
+            let bytes =
+                serde_json::to_vec(&*data).map_err(|e| StorageIOError::read_state_machine(&e))?;
+            (bytes, data.last_applied, data.last_membership.clone())
+        };
+        let seq = self.shared.snapshot_seq.fetch_add(1, Ordering::Relaxed);
+        let snapshot_id = match last_applied {
+            Some(l) => format!("{}-{}-{seq}", l.leader_id, l.index),
+            None => format!("--{seq}"),
+        };
+        let meta = SnapshotMeta {
+            last_log_id: last_applied,
+            last_membership,
+            snapshot_id,
+        };
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data: bytes,
+        };
+        self.write_snapshot(&stored)?;
+        tracing::info!(bytes = stored.data.len(), index = ?last_applied.map(|l| l.index), "snapshot built");
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = StateMachineStore;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId>, StoredMembership<NodeId, BasicNode>), StorageError> {
+        let data = self.read();
+        Ok((data.last_applied, data.last_membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Outcome>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut replies = Vec::new();
+        let mut events = Vec::new();
+        {
+            let mut data = self
+                .shared
+                .data
+                .write()
+                .expect("state machine lock poisoned");
+            for entry in entries {
+                data.last_applied = Some(entry.log_id);
+                let index = entry.log_id.index;
+                match entry.payload {
+                    EntryPayload::Blank => replies.push(Outcome::Done),
+                    EntryPayload::Normal(request) => {
+                        let span = tracing::debug_span!("raft.apply", index, command = request.command.kind());
+                        let _enter = span.enter();
+                        let applied = data.cluster.apply(&request.command, request.at, index);
+                        for id in applied.changed_jobs {
+                            if let Some(job) = data.cluster.jobs.get(&id) {
+                                events.push(JobEvent {
+                                    job: job.clone(),
+                                    log_index: index,
+                                });
+                            }
+                        }
+                        replies.push(applied.outcome);
+                    }
+                    EntryPayload::Membership(m) => {
+                        data.last_membership = StoredMembership::new(Some(entry.log_id), m);
+                        replies.push(Outcome::Done);
+                    }
+                }
+            }
+        }
+        if self.shared.events.receiver_count() > 0 {
+            for e in events {
+                // An error only means every watcher has gone away.
+                let _ = self.shared.events.send(e);
+            }
+        }
+        Ok(replies)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "raft.install_snapshot")]
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let bytes = snapshot.into_inner();
+        let new_data: StateMachineData = serde_json::from_slice(&bytes)
+            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data: bytes,
+        };
+        self.write_snapshot(&stored)?;
+        let jobs: Vec<Job> = new_data.cluster.jobs.values().cloned().collect();
+        let index = meta.last_log_id.map(|l| l.index).unwrap_or(0);
+        *self
+            .shared
+            .data
+            .write()
+            .expect("state machine lock poisoned") = new_data;
+        tracing::info!(index, "snapshot installed");
+        if self.shared.events.receiver_count() > 0 {
+            for job in jobs {
+                let _ = self.shared.events.send(JobEvent {
+                    job,
+                    log_index: index,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        let Some(bytes) = self
+            .shared
+            .snapshots
+            .get(SNAPSHOT_KEY)
+            .map_err(|e| StorageIOError::read_snapshot(None, &e))?
+        else {
+            return Ok(None);
+        };
+        let stored: StoredSnapshot = serde_json::from_slice(&bytes)
+            .map_err(|e| StorageIOError::read_snapshot(None, &e))?;
+        Ok(Some(Snapshot {
+            meta: stored.meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        }))
+    }
+}

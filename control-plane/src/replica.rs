@@ -1,0 +1,173 @@
+//! One running replica: its Raft instance, state machine and the operations the API needs
+//! (stamped writes, linearizable reads, leader lookup). Knows nothing about gRPC messages.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use openraft::error::{ClientWriteError, RaftError};
+use proto::v1::control_plane_client::ControlPlaneClient;
+use tonic::transport::Channel;
+
+use crate::raft::network::lazy_channel;
+use crate::raft::state_machine::StateMachineStore;
+use crate::raft::{NodeId, Raft};
+use crate::state::{Command, Outcome, Rejection, Request};
+
+/// Why an API operation did not complete. `NotLeader` is routed to the leader by the API layer.
+#[derive(Debug)]
+pub enum ApiError {
+    NotLeader { leader: Option<(NodeId, String)> },
+    Rejected(Rejection),
+    Unavailable(String),
+    Internal(String),
+}
+
+impl From<Rejection> for ApiError {
+    fn from(r: Rejection) -> Self {
+        ApiError::Rejected(r)
+    }
+}
+
+pub struct Replica {
+    pub id: NodeId,
+    pub cluster: String,
+    pub advertise: String,
+    pub raft: Raft,
+    pub sm: StateMachineStore,
+    committed: Arc<AtomicU64>,
+    /// Channels to the leader (by address) for forwarded calls; connections are reused.
+    leader_clients: Mutex<HashMap<String, ControlPlaneClient<Channel>>>,
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Replica {
+    pub fn new(
+        id: NodeId,
+        cluster: String,
+        advertise: String,
+        raft: Raft,
+        sm: StateMachineStore,
+        committed: Arc<AtomicU64>,
+    ) -> Replica {
+        Replica {
+            id,
+            cluster,
+            advertise,
+            raft,
+            sm,
+            committed,
+            leader_clients: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn commit_index(&self) -> u64 {
+        self.committed.load(Ordering::Relaxed)
+    }
+
+    /// Proposes `command` stamped with this (leader's) clock and waits until it is committed
+    /// and applied; returns what apply said.
+    #[tracing::instrument(level = "debug", skip_all, fields(command = command.kind()), name = "raft.write")]
+    pub async fn write(&self, command: Command) -> Result<Outcome, ApiError> {
+        let request = Request {
+            at: now_ms(),
+            command,
+        };
+        match self.raft.client_write(request).await {
+            Ok(resp) => Ok(resp.data),
+            Err(e) => Err(self.write_error(e)),
+        }
+    }
+
+    fn write_error(&self, e: RaftError<NodeId, ClientWriteError<NodeId, openraft::BasicNode>>) -> ApiError {
+        if let Some(f) = e.forward_to_leader() {
+            return ApiError::NotLeader {
+                leader: f
+                    .leader_id
+                    .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
+            };
+        }
+        match e {
+            RaftError::APIError(ClientWriteError::ChangeMembershipError(c)) => {
+                ApiError::Rejected(Rejection::precondition(c.to_string()))
+            }
+            RaftError::Fatal(f) => ApiError::Unavailable(format!("replica {} is stopping: {f}", self.id)),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+
+    /// Waits until this replica has confirmed it is the leader and applied everything committed
+    /// before the call, so a read that follows sees every acknowledged write.
+    pub async fn linearize(&self) -> Result<(), ApiError> {
+        match self.raft.ensure_linearizable().await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                if let Some(f) = e.forward_to_leader() {
+                    return Err(ApiError::NotLeader {
+                        leader: f
+                            .leader_id
+                            .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
+                    });
+                }
+                Err(ApiError::Unavailable(format!(
+                    "replica {} cannot confirm leadership: {e}",
+                    self.id
+                )))
+            }
+        }
+    }
+
+    /// The leader this replica knows of, with its address.
+    pub fn leader(&self) -> Option<(NodeId, String)> {
+        let m = self.raft.metrics().borrow().clone();
+        let leader = m.current_leader?;
+        let addr = m
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .map(|n| n.addr.clone())?;
+        Some((leader, addr))
+    }
+
+    /// Fails with `NotLeader` unless this replica is the leader (for membership changes).
+    pub fn require_leader(&self) -> Result<(), ApiError> {
+        match self.leader() {
+            Some((id, _)) if id == self.id => Ok(()),
+            leader => Err(ApiError::NotLeader { leader }),
+        }
+    }
+
+    pub fn leader_client(&self, addr: &str) -> Result<ControlPlaneClient<Channel>, ApiError> {
+        let mut clients = self.leader_clients.lock().expect("client cache lock poisoned");
+        if let Some(c) = clients.get(addr) {
+            return Ok(c.clone());
+        }
+        let channel = lazy_channel(addr)
+            .map_err(|e| ApiError::Internal(format!("leader address {addr:?} is invalid: {e}")))?;
+        let client = ControlPlaneClient::new(channel);
+        clients.insert(addr.to_owned(), client.clone());
+        Ok(client)
+    }
+
+    /// Waits (bounded) until some leader is known; used at start-up and by membership calls.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> Option<NodeId> {
+        let mut rx = self.raft.metrics();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(l) = rx.borrow().current_leader {
+                return Some(l);
+            }
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                return None;
+            }
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! Runs one replica: opens and checks the data directory, starts Raft and serves the client
+//! API and the peer RPCs on one address, bootstraps or joins the cluster, and shuts down
+//! cleanly when `shutdown` resolves.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use openraft::BasicNode;
+use proto::raft::raft_peer_server::RaftPeerServer;
+use proto::v1::control_plane_client::ControlPlaneClient;
+use proto::v1::control_plane_server::ControlPlaneServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::api::{ControlPlaneService, MAX_REQUEST_BYTES};
+use crate::config::ReplicaConfig;
+use crate::datadir::DataDir;
+use crate::raft::log_store::LogStore;
+use crate::raft::network::{PeerNetwork, lazy_channel};
+use crate::raft::peer_service::PeerService;
+use crate::raft::state_machine::StateMachineStore;
+use crate::raft::Raft;
+use crate::replica::Replica;
+
+/// Raft messages can carry snapshot chunks and batches of entries.
+const MAX_PEER_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
+pub async fn run(config: ReplicaConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    let dir = DataDir::open(&config.data_dir, &config.cluster, config.id)?;
+    let log = LogStore::open(&dir.db).map_err(|e| dir.corrupt(e.to_string()))?;
+    log.verify().map_err(|e| dir.corrupt(e))?;
+    let sm = StateMachineStore::open(&dir.db).map_err(|e| dir.corrupt(e))?;
+    let committed = log.committed_index();
+
+    // Bind before starting Raft so that a port conflict is reported before anything else runs.
+    let listener = TcpListener::bind(&config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+
+    let raft_config = Arc::new(config.tuning.openraft_config(&config.cluster)?);
+    let network = PeerNetwork {
+        cluster: config.cluster.clone(),
+    };
+    let raft = Raft::new(config.id, raft_config, network, log, sm.clone())
+        .await
+        .context("starting Raft")?;
+    let replica = Arc::new(Replica::new(
+        config.id,
+        config.cluster.clone(),
+        config.advertise.clone(),
+        raft.clone(),
+        sm,
+        committed,
+    ));
+    tracing::info!(
+        id = config.id,
+        listen = %config.listen,
+        data_dir = %dir.path.display(),
+        fresh = dir.fresh,
+        cluster = %config.cluster,
+        "replica starting"
+    );
+
+    let peer_service = RaftPeerServer::new(PeerService {
+        cluster: config.cluster.clone(),
+        raft: raft.clone(),
+    })
+    .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
+    let api = ControlPlaneServer::new(ControlPlaneService::new(replica.clone()))
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .trace_fn(|req| tracing::debug_span!("grpc", path = %req.uri().path()))
+        .add_service(peer_service)
+        .add_service(api)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown);
+    let mut server = tokio::spawn(server);
+
+    if dir.fresh && config.peers.keys().next() == Some(&config.id) {
+        bootstrap(&raft, &config.peers).await?;
+    }
+    let join = match config.join.clone() {
+        Some(addr) => {
+            let (id, advertise) = (config.id, config.advertise.clone());
+            Some(tokio::spawn(async move { join_cluster(&addr, id, &advertise).await }))
+        }
+        None => None,
+    };
+
+    let served = match join {
+        Some(mut join) => {
+            tokio::select! {
+                r = &mut server => r,
+                j = &mut join => {
+                    match j {
+                        Ok(Ok(())) => server.await,
+                        Ok(Err(e)) => { server.abort(); raft.shutdown().await.ok(); return Err(e); }
+                        Err(e) => { server.abort(); raft.shutdown().await.ok(); bail!("join task failed: {e}"); }
+                    }
+                }
+            }
+        }
+        None => server.await,
+    };
+    tracing::info!(id = config.id, "replica stopping");
+    raft.shutdown().await.ok();
+    served.context("server task panicked")?.context("serving gRPC")?;
+    Ok(())
+}
+
+/// Initializes a brand-new cluster with every member of `--peers`. Only the lowest id does
+/// this, and only on a fresh data directory, so a restarted replica never re-bootstraps.
+async fn bootstrap(raft: &Raft, peers: &BTreeMap<u64, String>) -> anyhow::Result<()> {
+    let members: BTreeMap<u64, BasicNode> = peers
+        .iter()
+        .map(|(id, addr)| (*id, BasicNode::new(addr.clone())))
+        .collect();
+    match raft.initialize(members).await {
+        Ok(()) => {
+            tracing::info!(members = ?peers, "bootstrapped a new cluster");
+            Ok(())
+        }
+        Err(e) if matches!(e.api_error(), Some(openraft::error::InitializeError::NotAllowed(_))) => Ok(()),
+        Err(e) => bail!("bootstrapping the cluster failed: {e}"),
+    }
+}
+
+/// Asks the cluster (through any replica) to add this replica, retrying until a leader accepts.
+/// Errors that retrying cannot fix (a conflicting id or address) end the replica.
+async fn join_cluster(via: &str, id: u64, advertise: &str) -> anyhow::Result<()> {
+    let channel = lazy_channel(via).with_context(|| format!("--join address {via:?} is invalid"))?;
+    let mut client = ControlPlaneClient::new(channel);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut req = tonic::Request::new(proto::v1::AddReplicaRequest {
+            id,
+            address: advertise.to_owned(),
+            learner_only: false,
+        });
+        req.set_timeout(Duration::from_secs(60));
+        match client.add_replica(req).await {
+            Ok(_) => {
+                tracing::info!(via, "joined the cluster");
+                return Ok(());
+            }
+            Err(s) if matches!(s.code(), tonic::Code::InvalidArgument | tonic::Code::NotFound) => {
+                bail!("the cluster refused to add this replica: {}", s.message());
+            }
+            Err(s) => {
+                tracing::warn!(via, code = ?s.code(), message = s.message(), "joining failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// The whole life of a replica process: configuration, telemetry, runtime, serve until a
+/// signal. Shared by `control-plane` and `gpuctl dev`'s child replicas.
+pub fn run_replica_process(args: crate::config::ReplicaArgs, log_filter: &str) -> anyhow::Result<()> {
+    let config = args.resolve()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let _telemetry = crate::telemetry::init("control-plane", log_filter, config.otlp_endpoint.as_deref())?;
+        run(config, shutdown_signal()).await
+    })
+}

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 pub const FORMAT_VERSION: u32 = 1;
 const META_FILE: &str = "cluster.json";
 const RAFT_DIR: &str = "raft";
+const IDENTITY_KEY: &str = "gpucp.identity";
 
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
 struct Meta {
@@ -124,10 +125,44 @@ impl DataDir {
             }
             Err(e) => return Err(io(e)),
         };
-        let db = open_sled(&path.join(RAFT_DIR)).map_err(|detail| DataDirError::Corrupt {
+        let corrupt = |detail: String| DataDirError::Corrupt {
             path: path.to_owned(),
             detail,
-        })?;
+        };
+        let db = open_sled(&path.join(RAFT_DIR)).map_err(corrupt)?;
+        // The database carries its own copy of the identity. sled recovers a damaged file by
+        // dropping what it cannot read, which could otherwise look like a replica that simply
+        // has no data yet; a missing or different identity record exposes that.
+        let identity = serde_json::to_vec(&Meta {
+            format_version: FORMAT_VERSION,
+            cluster: cluster.to_owned(),
+            replica_id,
+        })
+        .expect("Meta always serializes");
+        if fresh {
+            db.insert(IDENTITY_KEY, identity)
+                .and_then(|_| db.flush())
+                .map_err(|e| corrupt(format!("writing the identity record: {e}")))?;
+        } else {
+            let stored = db
+                .get(IDENTITY_KEY)
+                .map_err(|e| corrupt(format!("reading the identity record: {e}")))?;
+            let stored: Option<Meta> = stored.and_then(|b| serde_json::from_slice(&b).ok());
+            match stored {
+                Some(m) if m.cluster == cluster && m.replica_id == replica_id => {}
+                Some(m) => {
+                    return Err(corrupt(format!(
+                        "the Raft database belongs to replica {} of cluster {:?}, not to this directory's {cluster:?}/{replica_id}",
+                        m.replica_id, m.cluster
+                    )));
+                }
+                None => {
+                    return Err(corrupt(
+                        "the Raft database has lost its identity record (damaged, replaced or emptied)".into(),
+                    ));
+                }
+            }
+        }
         Ok(DataDir {
             path: path.to_owned(),
             fresh,
@@ -187,6 +222,16 @@ mod tests {
         fs::write(&meta, b"\x00\x01garbage").unwrap();
         let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
         assert!(matches!(err, DataDirError::Corrupt { .. }), "{err}");
+    }
+
+    #[test]
+    fn an_emptied_database_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(DataDir::open(dir.path(), "c", 1).unwrap());
+        fs::remove_dir_all(dir.path().join(RAFT_DIR)).unwrap();
+        fs::create_dir(dir.path().join(RAFT_DIR)).unwrap();
+        let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
+        assert!(err.to_string().contains("identity record"), "{err}");
     }
 
     #[test]

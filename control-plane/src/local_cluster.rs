@@ -1,0 +1,311 @@
+//! A control plane made of local child processes on loopback: what `gpuctl dev`, the
+//! benchmarks and the multi-process tests run. Each replica is a real process with its own data
+//! directory and log file; this type starts, signals and restarts them and waits for a leader.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use proto::v1 as pb;
+
+use crate::client::{Client, with_timeout};
+
+/// How a replica process is started.
+#[derive(Debug, Clone)]
+pub enum StartMode {
+    /// Member of the initial cluster (`--peers`, lowest id bootstraps on a fresh directory).
+    Initial,
+    /// Joins through an existing replica (`--join`).
+    Join(String),
+    /// Starts empty and waits to be added (`gpuctl cluster add`).
+    Pristine,
+}
+
+pub struct ReplicaProcess {
+    pub id: u64,
+    pub addr: String,
+    pub data_dir: PathBuf,
+    pub log_path: PathBuf,
+    child: Option<Child>,
+}
+
+impl ReplicaProcess {
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+}
+
+pub struct LocalCluster {
+    /// Program and leading arguments that run one replica (`control-plane`, or `gpuctl replica`).
+    program: PathBuf,
+    program_args: Vec<String>,
+    pub root: PathBuf,
+    pub cluster: String,
+    /// Extra flags for every replica (timings, snapshot policy).
+    pub extra_args: Vec<String>,
+    pub replicas: BTreeMap<u64, ReplicaProcess>,
+    initial_peers: String,
+}
+
+/// Free loopback ports, found by binding port 0. The ports are released before the replicas
+/// bind them; on a test machine nothing else races for them in that instant.
+pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()
+        .context("finding free loopback ports")?;
+    Ok(listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect::<Result<_, _>>()?)
+}
+
+impl LocalCluster {
+    /// Describes (does not start) `ports.len()` replicas with ids 1.. on the given ports.
+    pub fn new(program: &Path, program_args: &[&str], root: &Path, cluster: &str, ports: &[u16]) -> LocalCluster {
+        let mut replicas = BTreeMap::new();
+        for (i, port) in ports.iter().enumerate() {
+            let id = i as u64 + 1;
+            replicas.insert(id, ReplicaProcess {
+                id,
+                addr: format!("127.0.0.1:{port}"),
+                data_dir: root.join(format!("replica-{id}")),
+                log_path: root.join(format!("replica-{id}.log")),
+                child: None,
+            });
+        }
+        let initial_peers = replicas
+            .values()
+            .map(|r| format!("{}={}", r.id, r.addr))
+            .collect::<Vec<_>>()
+            .join(",");
+        LocalCluster {
+            program: program.to_owned(),
+            program_args: program_args.iter().map(|s| s.to_string()).collect(),
+            root: root.to_owned(),
+            cluster: cluster.to_owned(),
+            extra_args: Vec::new(),
+            replicas,
+            initial_peers,
+        }
+    }
+
+    /// Adds the description of one more replica (not part of the initial peers).
+    pub fn add_spare(&mut self, port: u16) -> u64 {
+        let id = self.replicas.keys().last().copied().unwrap_or(0) + 1;
+        self.replicas.insert(id, ReplicaProcess {
+            id,
+            addr: format!("127.0.0.1:{port}"),
+            data_dir: self.root.join(format!("replica-{id}")),
+            log_path: self.root.join(format!("replica-{id}.log")),
+            child: None,
+        });
+        id
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.replicas.values().map(|r| r.addr.clone()).collect()
+    }
+
+    pub fn addr(&self, id: u64) -> String {
+        self.replicas[&id].addr.clone()
+    }
+
+    pub fn start_all(&mut self) -> anyhow::Result<()> {
+        let ids: Vec<u64> = self.replicas.keys().copied().collect();
+        for id in ids {
+            self.start(id, StartMode::Initial)?;
+        }
+        Ok(())
+    }
+
+    pub fn start(&mut self, id: u64, mode: StartMode) -> anyhow::Result<()> {
+        std::fs::create_dir_all(&self.root)?;
+        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
+        if r.child.is_some() {
+            bail!("replica {id} is already running");
+        }
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&r.log_path)
+            .with_context(|| format!("opening {}", r.log_path.display()))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.program_args)
+            .args(["--id", &id.to_string(), "--listen", &r.addr, "--cluster", &self.cluster])
+            .arg("--data-dir")
+            .arg(&r.data_dir)
+            .args(&self.extra_args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        match mode {
+            StartMode::Initial => {
+                cmd.args(["--peers", &self.initial_peers]);
+            }
+            StartMode::Join(via) => {
+                cmd.args(["--join", &via]);
+            }
+            StartMode::Pristine => {}
+        }
+        set_parent_death_signal(&mut cmd);
+        r.child = Some(cmd.spawn().with_context(|| format!("starting replica {id}"))?);
+        Ok(())
+    }
+
+    /// Sends `signal` to a replica; for SIGKILL also reaps it.
+    pub fn signal(&mut self, id: u64, signal: i32) -> anyhow::Result<()> {
+        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
+        let child = r.child.as_mut().with_context(|| format!("replica {id} is not running"))?;
+        // SAFETY: kill(2) on our own child's pid, which we have not reaped yet.
+        let rc = unsafe { libc::kill(child.id() as i32, signal) };
+        if rc != 0 {
+            bail!("kill({}, {signal}) failed: {}", child.id(), std::io::Error::last_os_error());
+        }
+        if signal == libc::SIGKILL {
+            child.wait()?;
+            r.child = None;
+        }
+        Ok(())
+    }
+
+    pub fn kill(&mut self, id: u64) -> anyhow::Result<()> {
+        self.signal(id, libc::SIGKILL)
+    }
+
+    /// SIGTERM, then waits up to `grace` for a clean exit (SIGKILL after that).
+    pub fn stop(&mut self, id: u64, grace: Duration) -> anyhow::Result<Option<ExitStatus>> {
+        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
+        let Some(mut child) = r.child.take() else { return Ok(None) };
+        // SAFETY: as in `signal`.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + grace;
+        loop {
+            if let Some(s) = child.try_wait()? {
+                return Ok(Some(s));
+            }
+            if Instant::now() >= deadline {
+                child.kill()?;
+                child.wait()?;
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn is_running(&self, id: u64) -> bool {
+        self.replicas.get(&id).is_some_and(|r| r.child.is_some())
+    }
+
+    /// Reaps replicas that exited by themselves; returns (id, status) of each.
+    pub fn reap_exited(&mut self) -> Vec<(u64, ExitStatus)> {
+        let mut exited = Vec::new();
+        for r in self.replicas.values_mut() {
+            if let Some(c) = r.child.as_mut()
+                && let Ok(Some(s)) = c.try_wait()
+            {
+                exited.push((r.id, s));
+                r.child = None;
+            }
+        }
+        exited
+    }
+
+    /// Waits for a replica that exits by itself (e.g. one refusing a bad data directory).
+    pub fn wait_exit(&mut self, id: u64, timeout: Duration) -> anyhow::Result<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
+        let child = r.child.as_mut().with_context(|| format!("replica {id} is not running"))?;
+        loop {
+            if let Some(s) = child.try_wait()? {
+                r.child = None;
+                return Ok(s);
+            }
+            if Instant::now() >= deadline {
+                bail!("replica {id} is still running after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn log(&self, id: u64) -> String {
+        std::fs::read_to_string(&self.replicas[&id].log_path).unwrap_or_default()
+    }
+
+    /// A client that talks to the given replica only.
+    pub fn client_for(&self, id: u64) -> anyhow::Result<Client> {
+        Client::new(&[self.addr(id)])
+    }
+
+    /// A client over every replica.
+    pub fn client(&self) -> anyhow::Result<Client> {
+        Client::new(&self.endpoints())
+    }
+
+    pub async fn status(&self, id: u64) -> Option<pb::ClusterStatusResponse> {
+        let mut c = self.client_for(id).ok()?;
+        c.deadline = Duration::from_millis(500);
+        c.attempt_timeout = Duration::from_millis(500);
+        c.call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await })
+            .await
+            .ok()
+    }
+
+    /// Waits until every running replica names the same live leader; returns its status.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> anyhow::Result<pb::ClusterStatusResponse> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut statuses = Vec::new();
+            for id in self.replicas.keys().copied().filter(|id| self.is_running(*id)) {
+                statuses.push(self.status(id).await);
+            }
+            if let Some(Some(first)) = statuses.first() {
+                let leader = first.leader;
+                let agreed = leader != 0
+                    && self.is_running(leader)
+                    && statuses.iter().all(|s| s.as_ref().is_some_and(|s| s.leader == leader));
+                if agreed && let Some(s) = self.status(leader).await && s.leader == leader {
+                    return Ok(s);
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!("no agreed leader within {timeout:?} (statuses: {statuses:?})");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        let ids: Vec<u64> = self.replicas.keys().copied().collect();
+        for id in &ids {
+            if let Some(c) = self.replicas.get(id).and_then(|r| r.child.as_ref()) {
+                // SAFETY: as in `signal`.
+                unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            }
+        }
+        for id in ids {
+            let _ = self.stop(id, Duration::from_secs(5));
+        }
+    }
+}
+
+/// Children die with their parent, even one killed with SIGKILL.
+fn set_parent_death_signal(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe and touches only the child being set up.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+    }
+}

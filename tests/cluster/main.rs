@@ -1,0 +1,9 @@
+//! Black-box tests of real multi-process control planes on loopback: three (or more)
+//! `control-plane` processes, driven through the gRPC client and `gpuctl`, with SIGKILLs,
+//! restarts, wiped data directories and membership changes.
+
+mod bad_input;
+mod basic;
+mod failover;
+mod membership;
+mod util;

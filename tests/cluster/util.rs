@@ -1,0 +1,136 @@
+//! Shared fixtures: start a cluster of real processes in a temp dir, submit jobs, read state.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use control_plane::client::{Client, with_timeout};
+use control_plane::local_cluster::{LocalCluster, free_ports};
+use proto::v1 as pb;
+use tempfile::TempDir;
+
+pub const LEADER_TIMEOUT: Duration = Duration::from_secs(20);
+
+pub fn step(what: &str) {
+    println!("=== {what}");
+}
+
+pub fn control_plane_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_control-plane"))
+}
+
+pub fn gpuctl_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpuctl"))
+}
+
+pub struct TestCluster {
+    pub cluster: LocalCluster,
+    // Dropped after the cluster (field order), so processes stop before their files vanish.
+    pub _dir: TempDir,
+}
+
+impl std::ops::Deref for TestCluster {
+    type Target = LocalCluster;
+    fn deref(&self) -> &LocalCluster {
+        &self.cluster
+    }
+}
+
+impl std::ops::DerefMut for TestCluster {
+    fn deref_mut(&mut self) -> &mut LocalCluster {
+        &mut self.cluster
+    }
+}
+
+/// Describes `n` replicas (not started) with extra flags for each.
+pub fn describe(n: usize, extra: &[&str]) -> TestCluster {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ports = free_ports(n).expect("free ports");
+    let mut cluster = LocalCluster::new(&control_plane_bin(), &[], dir.path(), "test", &ports);
+    cluster.extra_args = extra.iter().map(|s| s.to_string()).collect();
+    TestCluster { cluster, _dir: dir }
+}
+
+/// Starts `n` replicas and waits for a leader.
+pub async fn start(n: usize, extra: &[&str]) -> TestCluster {
+    let mut c = describe(n, extra);
+    c.start_all().expect("starting replicas");
+    c.wait_for_leader(LEADER_TIMEOUT).await.expect("a leader");
+    c
+}
+
+pub fn spec(name: &str, gpus: i64) -> pb::JobSpec {
+    pb::JobSpec {
+        tenant: "team-a".into(),
+        name: name.into(),
+        command: vec!["sleep".into(), "60".into()],
+        gpus_per_task: gpus,
+        tasks: 1,
+        ..Default::default()
+    }
+}
+
+pub async fn submit(client: &mut Client, spec: pb::JobSpec, key: &str) -> Result<pb::SubmitJobResponse, tonic::Status> {
+    let req = pb::SubmitJobRequest {
+        spec: Some(spec),
+        idempotency_key: key.into(),
+    };
+    client
+        .call(|mut c, t| {
+            let req = req.clone();
+            async move { c.submit_job(with_timeout(req, t)).await }
+        })
+        .await
+}
+
+pub async fn list_jobs(client: &mut Client, stale: bool) -> Vec<pb::Job> {
+    let req = pb::ListJobsRequest {
+        include_finished: true,
+        read: Some(pb::ReadOptions { stale }),
+        ..Default::default()
+    };
+    client
+        .call(|mut c, t| {
+            let req = req.clone();
+            async move { c.list_jobs(with_timeout(req, t)).await }
+        })
+        .await
+        .expect("listing jobs")
+        .jobs
+}
+
+/// Waits until replica `id` has applied at least `index`.
+pub async fn wait_applied(c: &LocalCluster, id: u64, index: u64, timeout: Duration) -> pb::ClusterStatusResponse {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(s) = c.status(id).await
+            && s.applied_index >= index
+        {
+            return s;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "replica {id} did not apply index {index} within {timeout:?}; status {:?}\nlog:\n{}",
+            c.status(id).await,
+            c.log(id)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn follower_of(s: &pb::ClusterStatusResponse) -> u64 {
+    s.members.iter().map(|m| m.id).find(|id| *id != s.leader).expect("a follower")
+}
+
+/// Runs gpuctl against the cluster and returns (exit success, stdout, stderr).
+pub fn gpuctl(c: &LocalCluster, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(gpuctl_bin())
+        .args(args)
+        .env("GPUCTL_ENDPOINTS", c.endpoints().join(","))
+        .output()
+        .expect("running gpuctl");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

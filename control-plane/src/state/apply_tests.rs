@@ -317,8 +317,8 @@ impl Harness {
     }
 }
 
-/// `after` equals `before`, also serialized byte for byte, except `last_applied_at`: apply
-/// advances that clock for every log entry, rejected or not, so it is left out of the comparison.
+/// `after` equals `before`, also serialized byte for byte, except `last_applied_at`: a command
+/// that is accepted but does nothing (a plan whose placements all fail) still advances it.
 fn assert_unchanged(before: &ClusterState, after: &ClusterState, what: &str) {
     let mut after = after.clone();
     after.last_applied_at = before.last_applied_at;

@@ -72,7 +72,9 @@ impl Client {
         Fut: Future<Output = Result<Response<T>, Status>>,
     {
         let start = tokio::time::Instant::now();
-        let mut backoff = Duration::from_millis(20);
+        // Short, capped backoff: during a failover the cluster is typically back within a few
+        // hundred milliseconds, and a coarse backoff would add its own delay on top.
+        let mut backoff = Duration::from_millis(5);
         let mut last: Option<Status> = None;
         loop {
             for k in 0..self.clients.len() {
@@ -108,7 +110,7 @@ impl Client {
                 )));
             }
             tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_millis(500));
+            backoff = (backoff * 2).min(Duration::from_millis(50));
         }
     }
 }

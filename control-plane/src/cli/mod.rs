@@ -3,6 +3,7 @@
 //! Each subcommand is a small function: build the request, call any replica through
 //! `Client`, print the answer.
 
+mod bench;
 mod dev;
 pub mod output;
 pub mod parse;
@@ -89,6 +90,14 @@ pub enum Command {
     },
     /// Run a local 3-replica control plane in the foreground (Ctrl-C stops it).
     Dev(dev::DevArgs),
+    /// Benchmarks against a local cluster of real replica processes.
+    Bench {
+        /// Keep the replicas' data directories and logs here instead of a temporary directory.
+        #[arg(long, value_name = "DIR")]
+        keep_data: Option<std::path::PathBuf>,
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
     /// Run one control-plane replica (what `gpuctl dev` starts; same flags as `control-plane`).
     #[command(hide = true)]
     Replica(ReplicaArgs),
@@ -166,6 +175,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
             return crate::server::run_replica_process(args, crate::config::Defaults::LOG_FILTER);
         }
         Command::Dev(args) => return dev::run(args),
+        Command::Bench { command, keep_data } => return bench::run(command, keep_data, cli.output),
         _ => {}
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -265,7 +275,9 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Cluster { command } => cluster(&mut client, command, fmt).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,
-        Command::Dev(_) | Command::Replica(_) => unreachable!("handled before the runtime starts"),
+        Command::Dev(_) | Command::Replica(_) | Command::Bench { .. } => {
+            unreachable!("handled before the runtime starts")
+        }
     }
     Ok(())
 }

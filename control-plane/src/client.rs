@@ -35,8 +35,11 @@ impl Client {
         }
         let mut clients = Vec::new();
         for e in endpoints {
-            let channel = lazy_channel(e).map_err(|err| anyhow::anyhow!("endpoint {e:?} is not HOST:PORT: {err}"))?;
-            clients.push(ControlPlaneClient::new(channel).max_decoding_message_size(256 * 1024 * 1024));
+            let channel = lazy_channel(e)
+                .map_err(|err| anyhow::anyhow!("endpoint {e:?} is not HOST:PORT: {err}"))?;
+            clients.push(
+                ControlPlaneClient::new(channel).max_decoding_message_size(256 * 1024 * 1024),
+            );
         }
         Ok(Client {
             endpoints: endpoints.to_vec(),
@@ -119,7 +122,11 @@ impl Client {
 pub fn retryable(status: &Status) -> bool {
     matches!(
         status.code(),
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Aborted
+        Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+            | Code::Unknown
+            | Code::Aborted
     )
 }
 

@@ -26,7 +26,8 @@ impl Defaults {
     pub const ELECTION_MAX_MS: u64 = 200;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
     pub const KEEP_BEHIND_SNAPSHOT: u64 = 1_000;
-    pub const LOG_FILTER: &'static str = "info,openraft=off,sled=warn,h2=warn,tower=warn,hyper=warn";
+    pub const LOG_FILTER: &'static str =
+        "info,openraft=off,sled=warn,h2=warn,tower=warn,hyper=warn";
 }
 
 /// Flags of `control-plane` (and of `gpuctl dev`'s child replicas).
@@ -135,14 +136,19 @@ impl ReplicaArgs {
             .listen
             .or(file.listen)
             .unwrap_or_else(|| Defaults::LISTEN.to_owned());
-        let advertise = self.advertise.or(file.advertise).unwrap_or_else(|| listen.clone());
+        let advertise = self
+            .advertise
+            .or(file.advertise)
+            .unwrap_or_else(|| listen.clone());
         let peers = match self.peers.or(file.peers) {
             Some(p) => parse_peers(&p)?,
             None => BTreeMap::new(),
         };
         let join = self.join.or(file.join);
         if !peers.is_empty() && join.is_some() {
-            bail!("give either --peers (bootstrap a new cluster) or --join (join an existing one), not both");
+            bail!(
+                "give either --peers (bootstrap a new cluster) or --join (join an existing one), not both"
+            );
         }
         if let Some(addr) = peers.get(&id)
             && *addr != advertise
@@ -153,7 +159,10 @@ impl ReplicaArgs {
             bail!("--peers does not include this replica ({id}={advertise})");
         }
         let tuning = RaftTuning {
-            heartbeat_ms: self.heartbeat_ms.or(file.heartbeat_ms).unwrap_or(Defaults::HEARTBEAT_MS),
+            heartbeat_ms: self
+                .heartbeat_ms
+                .or(file.heartbeat_ms)
+                .unwrap_or(Defaults::HEARTBEAT_MS),
             election_min_ms: self
                 .election_min_ms
                 .or(file.election_min_ms)
@@ -196,16 +205,35 @@ mod tests {
     fn peers_parse_and_bad_entries_say_what_is_wrong() {
         let p = parse_peers("1=127.0.0.1:7001, 2=127.0.0.1:7002").unwrap();
         assert_eq!(p.len(), 2);
-        assert!(parse_peers("1=127.0.0.1:7001,1=x:1").unwrap_err().to_string().contains("twice"));
-        assert!(parse_peers("a=x:1").unwrap_err().to_string().contains("not a replica id"));
-        assert!(parse_peers("1:x").unwrap_err().to_string().contains("ID=HOST:PORT"));
+        assert!(
+            parse_peers("1=127.0.0.1:7001,1=x:1")
+                .unwrap_err()
+                .to_string()
+                .contains("twice")
+        );
+        assert!(
+            parse_peers("a=x:1")
+                .unwrap_err()
+                .to_string()
+                .contains("not a replica id")
+        );
+        assert!(
+            parse_peers("1:x")
+                .unwrap_err()
+                .to_string()
+                .contains("ID=HOST:PORT")
+        );
     }
 
     #[test]
     fn flags_win_over_the_file_and_defaults_fill_the_rest() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("r.toml");
-        std::fs::write(&file, "id = 2\nlisten = \"127.0.0.1:9000\"\ncluster = \"prod\"\n").unwrap();
+        std::fs::write(
+            &file,
+            "id = 2\nlisten = \"127.0.0.1:9000\"\ncluster = \"prod\"\n",
+        )
+        .unwrap();
         let args = ReplicaArgs {
             config: Some(file),
             listen: Some("127.0.0.1:9100".into()),
@@ -223,7 +251,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("r.toml");
         std::fs::write(&file, "id = 1\nlisen = \"x\"\n").unwrap();
-        let err = ReplicaArgs { config: Some(file), ..Default::default() }.resolve().unwrap_err();
+        let err = ReplicaArgs {
+            config: Some(file),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
         assert!(format!("{err:#}").contains("lisen"), "{err:#}");
     }
 }

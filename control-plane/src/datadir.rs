@@ -33,7 +33,9 @@ pub enum DataDirError {
         "data directory {path} is not empty but has no {META_FILE}: it is not a control-plane data directory (or its metadata was lost); point --data-dir at an empty or existing replica directory"
     )]
     Foreign { path: PathBuf },
-    #[error("data directory {path} is corrupt: {detail}; restore it from a backup or wipe it and rejoin the replica with --join")]
+    #[error(
+        "data directory {path} is corrupt: {detail}; restore it from a backup or wipe it and rejoin the replica with --join"
+    )]
     Corrupt { path: PathBuf, detail: String },
     #[error(
         "data directory {path} belongs to cluster {found:?}, but this replica is configured for cluster {expected:?}; refusing to mix clusters"
@@ -43,7 +45,9 @@ pub enum DataDirError {
         found: String,
         expected: String,
     },
-    #[error("data directory {path} belongs to replica {found}, but this replica has --id {expected}")]
+    #[error(
+        "data directory {path} belongs to replica {found}, but this replica has --id {expected}"
+    )]
     OtherReplica {
         path: PathBuf,
         found: u64,
@@ -100,7 +104,9 @@ impl DataDir {
                 if !path.join(RAFT_DIR).is_dir() {
                     return Err(DataDirError::Corrupt {
                         path: path.to_owned(),
-                        detail: format!("{META_FILE} is present but the {RAFT_DIR}/ database is missing"),
+                        detail: format!(
+                            "{META_FILE} is present but the {RAFT_DIR}/ database is missing"
+                        ),
                     });
                 }
                 false
@@ -216,9 +222,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         drop(DataDir::open(dir.path(), "c", 1).unwrap());
         let meta = dir.path().join(META_FILE);
-        fs::write(&meta, r#"{"format_version": 99, "cluster": "c", "replica_id": 1}"#).unwrap();
+        fs::write(
+            &meta,
+            r#"{"format_version": 99, "cluster": "c", "replica_id": 1}"#,
+        )
+        .unwrap();
         let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
-        assert!(matches!(err, DataDirError::NewerFormat { found: 99, .. }), "{err}");
+        assert!(
+            matches!(err, DataDirError::NewerFormat { found: 99, .. }),
+            "{err}"
+        );
         fs::write(&meta, b"\x00\x01garbage").unwrap();
         let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
         assert!(matches!(err, DataDirError::Corrupt { .. }), "{err}");

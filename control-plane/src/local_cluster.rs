@@ -47,6 +47,8 @@ pub struct LocalCluster {
     pub cluster: String,
     /// Extra flags for every replica (timings, snapshot policy).
     pub extra_args: Vec<String>,
+    /// Extra environment variables for every replica (e.g. `RUST_LOG`).
+    pub env: Vec<(String, String)>,
     pub replicas: BTreeMap<u64, ReplicaProcess>,
     initial_peers: String,
 }
@@ -66,17 +68,26 @@ pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
 
 impl LocalCluster {
     /// Describes (does not start) `ports.len()` replicas with ids 1.. on the given ports.
-    pub fn new(program: &Path, program_args: &[&str], root: &Path, cluster: &str, ports: &[u16]) -> LocalCluster {
+    pub fn new(
+        program: &Path,
+        program_args: &[&str],
+        root: &Path,
+        cluster: &str,
+        ports: &[u16],
+    ) -> LocalCluster {
         let mut replicas = BTreeMap::new();
         for (i, port) in ports.iter().enumerate() {
             let id = i as u64 + 1;
-            replicas.insert(id, ReplicaProcess {
+            replicas.insert(
                 id,
-                addr: format!("127.0.0.1:{port}"),
-                data_dir: root.join(format!("replica-{id}")),
-                log_path: root.join(format!("replica-{id}.log")),
-                child: None,
-            });
+                ReplicaProcess {
+                    id,
+                    addr: format!("127.0.0.1:{port}"),
+                    data_dir: root.join(format!("replica-{id}")),
+                    log_path: root.join(format!("replica-{id}.log")),
+                    child: None,
+                },
+            );
         }
         let initial_peers = replicas
             .values()
@@ -89,6 +100,7 @@ impl LocalCluster {
             root: root.to_owned(),
             cluster: cluster.to_owned(),
             extra_args: Vec::new(),
+            env: Vec::new(),
             replicas,
             initial_peers,
         }
@@ -97,13 +109,16 @@ impl LocalCluster {
     /// Adds the description of one more replica (not part of the initial peers).
     pub fn add_spare(&mut self, port: u16) -> u64 {
         let id = self.replicas.keys().last().copied().unwrap_or(0) + 1;
-        self.replicas.insert(id, ReplicaProcess {
+        self.replicas.insert(
             id,
-            addr: format!("127.0.0.1:{port}"),
-            data_dir: self.root.join(format!("replica-{id}")),
-            log_path: self.root.join(format!("replica-{id}.log")),
-            child: None,
-        });
+            ReplicaProcess {
+                id,
+                addr: format!("127.0.0.1:{port}"),
+                data_dir: self.root.join(format!("replica-{id}")),
+                log_path: self.root.join(format!("replica-{id}.log")),
+                child: None,
+            },
+        );
         id
     }
 
@@ -125,7 +140,10 @@ impl LocalCluster {
 
     pub fn start(&mut self, id: u64, mode: StartMode) -> anyhow::Result<()> {
         std::fs::create_dir_all(&self.root)?;
-        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
+        let r = self
+            .replicas
+            .get_mut(&id)
+            .with_context(|| format!("no replica {id}"))?;
         if r.child.is_some() {
             bail!("replica {id} is already running");
         }
@@ -136,10 +154,18 @@ impl LocalCluster {
             .with_context(|| format!("opening {}", r.log_path.display()))?;
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.program_args)
-            .args(["--id", &id.to_string(), "--listen", &r.addr, "--cluster", &self.cluster])
+            .args([
+                "--id",
+                &id.to_string(),
+                "--listen",
+                &r.addr,
+                "--cluster",
+                &self.cluster,
+            ])
             .arg("--data-dir")
             .arg(&r.data_dir)
             .args(&self.extra_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -153,18 +179,31 @@ impl LocalCluster {
             StartMode::Pristine => {}
         }
         set_parent_death_signal(&mut cmd);
-        r.child = Some(cmd.spawn().with_context(|| format!("starting replica {id}"))?);
+        r.child = Some(
+            cmd.spawn()
+                .with_context(|| format!("starting replica {id}"))?,
+        );
         Ok(())
     }
 
     /// Sends `signal` to a replica; for SIGKILL also reaps it.
     pub fn signal(&mut self, id: u64, signal: i32) -> anyhow::Result<()> {
-        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
-        let child = r.child.as_mut().with_context(|| format!("replica {id} is not running"))?;
+        let r = self
+            .replicas
+            .get_mut(&id)
+            .with_context(|| format!("no replica {id}"))?;
+        let child = r
+            .child
+            .as_mut()
+            .with_context(|| format!("replica {id} is not running"))?;
         // SAFETY: kill(2) on our own child's pid, which we have not reaped yet.
         let rc = unsafe { libc::kill(child.id() as i32, signal) };
         if rc != 0 {
-            bail!("kill({}, {signal}) failed: {}", child.id(), std::io::Error::last_os_error());
+            bail!(
+                "kill({}, {signal}) failed: {}",
+                child.id(),
+                std::io::Error::last_os_error()
+            );
         }
         if signal == libc::SIGKILL {
             child.wait()?;
@@ -179,8 +218,13 @@ impl LocalCluster {
 
     /// SIGTERM, then waits up to `grace` for a clean exit (SIGKILL after that).
     pub fn stop(&mut self, id: u64, grace: Duration) -> anyhow::Result<Option<ExitStatus>> {
-        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
-        let Some(mut child) = r.child.take() else { return Ok(None) };
+        let r = self
+            .replicas
+            .get_mut(&id)
+            .with_context(|| format!("no replica {id}"))?;
+        let Some(mut child) = r.child.take() else {
+            return Ok(None);
+        };
         // SAFETY: as in `signal`.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + grace;
@@ -218,8 +262,14 @@ impl LocalCluster {
     /// Waits for a replica that exits by itself (e.g. one refusing a bad data directory).
     pub fn wait_exit(&mut self, id: u64, timeout: Duration) -> anyhow::Result<ExitStatus> {
         let deadline = Instant::now() + timeout;
-        let r = self.replicas.get_mut(&id).with_context(|| format!("no replica {id}"))?;
-        let child = r.child.as_mut().with_context(|| format!("replica {id} is not running"))?;
+        let r = self
+            .replicas
+            .get_mut(&id)
+            .with_context(|| format!("no replica {id}"))?;
+        let child = r
+            .child
+            .as_mut()
+            .with_context(|| format!("replica {id} is not running"))?;
         loop {
             if let Some(s) = child.try_wait()? {
                 r.child = None;
@@ -250,25 +300,41 @@ impl LocalCluster {
         let mut c = self.client_for(id).ok()?;
         c.deadline = Duration::from_millis(500);
         c.attempt_timeout = Duration::from_millis(500);
-        c.call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await })
-            .await
-            .ok()
+        c.call(|mut c, t| async move {
+            c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
+                .await
+        })
+        .await
+        .ok()
     }
 
     /// Waits until every running replica names the same live leader; returns its status.
-    pub async fn wait_for_leader(&self, timeout: Duration) -> anyhow::Result<pb::ClusterStatusResponse> {
+    pub async fn wait_for_leader(
+        &self,
+        timeout: Duration,
+    ) -> anyhow::Result<pb::ClusterStatusResponse> {
         let deadline = Instant::now() + timeout;
         loop {
             let mut statuses = Vec::new();
-            for id in self.replicas.keys().copied().filter(|id| self.is_running(*id)) {
+            for id in self
+                .replicas
+                .keys()
+                .copied()
+                .filter(|id| self.is_running(*id))
+            {
                 statuses.push(self.status(id).await);
             }
             if let Some(Some(first)) = statuses.first() {
                 let leader = first.leader;
                 let agreed = leader != 0
                     && self.is_running(leader)
-                    && statuses.iter().all(|s| s.as_ref().is_some_and(|s| s.leader == leader));
-                if agreed && let Some(s) = self.status(leader).await && s.leader == leader {
+                    && statuses
+                        .iter()
+                        .all(|s| s.as_ref().is_some_and(|s| s.leader == leader));
+                if agreed
+                    && let Some(s) = self.status(leader).await
+                    && s.leader == leader
+                {
                     return Ok(s);
                 }
             }

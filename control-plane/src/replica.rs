@@ -87,7 +87,10 @@ impl Replica {
         }
     }
 
-    fn write_error(&self, e: RaftError<NodeId, ClientWriteError<NodeId, openraft::BasicNode>>) -> ApiError {
+    fn write_error(
+        &self,
+        e: RaftError<NodeId, ClientWriteError<NodeId, openraft::BasicNode>>,
+    ) -> ApiError {
         if let Some(f) = e.forward_to_leader() {
             return ApiError::NotLeader {
                 leader: f
@@ -99,7 +102,9 @@ impl Replica {
             RaftError::APIError(ClientWriteError::ChangeMembershipError(c)) => {
                 ApiError::Rejected(Rejection::precondition(c.to_string()))
             }
-            RaftError::Fatal(f) => ApiError::Unavailable(format!("replica {} is stopping: {f}", self.id)),
+            RaftError::Fatal(f) => {
+                ApiError::Unavailable(format!("replica {} is stopping: {f}", self.id))
+            }
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -146,7 +151,10 @@ impl Replica {
     }
 
     pub fn leader_client(&self, addr: &str) -> Result<ControlPlaneClient<Channel>, ApiError> {
-        let mut clients = self.leader_clients.lock().expect("client cache lock poisoned");
+        let mut clients = self
+            .leader_clients
+            .lock()
+            .expect("client cache lock poisoned");
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
         }
@@ -165,7 +173,10 @@ impl Replica {
             if let Some(l) = rx.borrow().current_leader {
                 return Some(l);
             }
-            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
                 return None;
             }
         }

@@ -18,17 +18,20 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::api::{ControlPlaneService, MAX_REQUEST_BYTES};
 use crate::config::ReplicaConfig;
 use crate::datadir::DataDir;
+use crate::raft::Raft;
 use crate::raft::log_store::LogStore;
 use crate::raft::network::{PeerNetwork, lazy_channel};
 use crate::raft::peer_service::PeerService;
 use crate::raft::state_machine::StateMachineStore;
-use crate::raft::Raft;
 use crate::replica::Replica;
 
 /// Raft messages can carry snapshot chunks and batches of entries.
 const MAX_PEER_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
-pub async fn run(config: ReplicaConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+pub async fn run(
+    config: ReplicaConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let dir = DataDir::open(&config.data_dir, &config.cluster, config.id)?;
     let log = LogStore::open(&dir.db).map_err(|e| dir.corrupt(e.to_string()))?;
     log.verify().map_err(|e| dir.corrupt(e))?;
@@ -86,7 +89,9 @@ pub async fn run(config: ReplicaConfig, shutdown: impl Future<Output = ()> + Sen
     let join = match config.join.clone() {
         Some(addr) => {
             let (id, advertise) = (config.id, config.advertise.clone());
-            Some(tokio::spawn(async move { join_cluster(&addr, id, &advertise).await }))
+            Some(tokio::spawn(async move {
+                join_cluster(&addr, id, &advertise).await
+            }))
         }
         None => None,
     };
@@ -108,7 +113,9 @@ pub async fn run(config: ReplicaConfig, shutdown: impl Future<Output = ()> + Sen
     };
     tracing::info!(id = config.id, "replica stopping");
     raft.shutdown().await.ok();
-    served.context("server task panicked")?.context("serving gRPC")?;
+    served
+        .context("server task panicked")?
+        .context("serving gRPC")?;
     Ok(())
 }
 
@@ -124,7 +131,14 @@ async fn bootstrap(raft: &Raft, peers: &BTreeMap<u64, String>) -> anyhow::Result
             tracing::info!(members = ?peers, "bootstrapped a new cluster");
             Ok(())
         }
-        Err(e) if matches!(e.api_error(), Some(openraft::error::InitializeError::NotAllowed(_))) => Ok(()),
+        Err(e)
+            if matches!(
+                e.api_error(),
+                Some(openraft::error::InitializeError::NotAllowed(_))
+            ) =>
+        {
+            Ok(())
+        }
         Err(e) => bail!("bootstrapping the cluster failed: {e}"),
     }
 }
@@ -132,7 +146,8 @@ async fn bootstrap(raft: &Raft, peers: &BTreeMap<u64, String>) -> anyhow::Result
 /// Asks the cluster (through any replica) to add this replica, retrying until a leader accepts.
 /// Errors that retrying cannot fix (a conflicting id or address) end the replica.
 async fn join_cluster(via: &str, id: u64, advertise: &str) -> anyhow::Result<()> {
-    let channel = lazy_channel(via).with_context(|| format!("--join address {via:?} is invalid"))?;
+    let channel =
+        lazy_channel(via).with_context(|| format!("--join address {via:?} is invalid"))?;
     let mut client = ControlPlaneClient::new(channel);
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -147,7 +162,12 @@ async fn join_cluster(via: &str, id: u64, advertise: &str) -> anyhow::Result<()>
                 tracing::info!(via, "joined the cluster");
                 return Ok(());
             }
-            Err(s) if matches!(s.code(), tonic::Code::InvalidArgument | tonic::Code::NotFound) => {
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::InvalidArgument | tonic::Code::NotFound
+                ) =>
+            {
                 bail!("the cluster refused to add this replica: {}", s.message());
             }
             Err(s) => {
@@ -185,14 +205,18 @@ pub async fn shutdown_signal() {
 
 /// The whole life of a replica process: configuration, telemetry, runtime, serve until a
 /// signal. Shared by `control-plane` and `gpuctl dev`'s child replicas.
-pub fn run_replica_process(args: crate::config::ReplicaArgs, log_filter: &str) -> anyhow::Result<()> {
+pub fn run_replica_process(
+    args: crate::config::ReplicaArgs,
+    log_filter: &str,
+) -> anyhow::Result<()> {
     let config = args.resolve()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let _telemetry = crate::telemetry::init("control-plane", log_filter, config.otlp_endpoint.as_deref())?;
+        let _telemetry =
+            crate::telemetry::init("control-plane", log_filter, config.otlp_endpoint.as_deref())?;
         run(config, shutdown_signal()).await
     })
 }

@@ -30,12 +30,16 @@ pub fn init(
     default_filter: &str,
     otlp_endpoint: Option<&str>,
 ) -> anyhow::Result<TelemetryGuard> {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(false);
     let Some(endpoint) = otlp_endpoint else {
-        tracing_subscriber::registry().with(filter).with(fmt).try_init()?;
+        tracing_subscriber::registry()
+            .with(filter)
+            .with(fmt)
+            .try_init()?;
         return Ok(TelemetryGuard { provider: None });
     };
     let exporter = opentelemetry_otlp::SpanExporter::builder()
@@ -44,7 +48,11 @@ pub fn init(
         .build()?;
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
-        .with_resource(Resource::builder().with_service_name(service.to_owned()).build())
+        .with_resource(
+            Resource::builder()
+                .with_service_name(service.to_owned())
+                .build(),
+        )
         .build();
     let tracer = provider.tracer("gpu-control-plane");
     tracing_subscriber::registry()

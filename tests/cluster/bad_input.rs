@@ -16,26 +16,106 @@ async fn invalid_requests_are_refused_naming_the_field_and_write_nothing() {
     let before = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
 
     let cases: Vec<(&str, pb::JobSpec)> = vec![
-        ("gpus_per_task", pb::JobSpec { gpus_per_task: -2, ..spec("neg", 1) }),
-        ("tasks", pb::JobSpec { tasks: -1, ..spec("neg-tasks", 1) }),
-        ("tasks", pb::JobSpec { tasks: 0, ..spec("zero-tasks", 1) }),
-        ("gpus_per_task", pb::JobSpec { gpus_per_task: 0, ..spec("nothing", 0) }),
-        ("gpus_per_task", pb::JobSpec { gpus_per_task: 64, ..spec("huge", 1) }),
-        ("command", pb::JobSpec { command: vec![], ..spec("empty", 1) }),
-        ("command", pb::JobSpec { command: vec!["x".repeat(100 * 1024)], ..spec("oversized", 1) }),
-        ("tenant", pb::JobSpec { tenant: "".into(), ..spec("no-tenant", 1) }),
-        ("priority_class", pb::JobSpec { priority_class: "vip".into(), ..spec("prio", 1) }),
-        ("time_limit", pb::JobSpec { time_limit_secs: -5, ..spec("time", 1) }),
-        ("dependencies", pb::JobSpec { dependencies: vec![pb::Dependency { kind: 1, job_id: 999 }], ..spec("dep", 1) }),
+        (
+            "gpus_per_task",
+            pb::JobSpec {
+                gpus_per_task: -2,
+                ..spec("neg", 1)
+            },
+        ),
+        (
+            "tasks",
+            pb::JobSpec {
+                tasks: -1,
+                ..spec("neg-tasks", 1)
+            },
+        ),
+        (
+            "tasks",
+            pb::JobSpec {
+                tasks: 0,
+                ..spec("zero-tasks", 1)
+            },
+        ),
+        (
+            "gpus_per_task",
+            pb::JobSpec {
+                gpus_per_task: 0,
+                ..spec("nothing", 0)
+            },
+        ),
+        (
+            "gpus_per_task",
+            pb::JobSpec {
+                gpus_per_task: 64,
+                ..spec("huge", 1)
+            },
+        ),
+        (
+            "command",
+            pb::JobSpec {
+                command: vec![],
+                ..spec("empty", 1)
+            },
+        ),
+        (
+            "command",
+            pb::JobSpec {
+                command: vec!["x".repeat(100 * 1024)],
+                ..spec("oversized", 1)
+            },
+        ),
+        (
+            "tenant",
+            pb::JobSpec {
+                tenant: "".into(),
+                ..spec("no-tenant", 1)
+            },
+        ),
+        (
+            "priority_class",
+            pb::JobSpec {
+                priority_class: "vip".into(),
+                ..spec("prio", 1)
+            },
+        ),
+        (
+            "time_limit",
+            pb::JobSpec {
+                time_limit_secs: -5,
+                ..spec("time", 1)
+            },
+        ),
+        (
+            "dependencies",
+            pb::JobSpec {
+                dependencies: vec![pb::Dependency {
+                    kind: 1,
+                    job_id: 999,
+                }],
+                ..spec("dep", 1)
+            },
+        ),
     ];
     for (field, s) in cases {
         let err = submit(&mut client, s, "").await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{field}: {err:?}");
-        assert!(err.message().starts_with(field), "message {:?} should name {field}", err.message());
+        assert!(
+            err.message().starts_with(field),
+            "message {:?} should name {field}",
+            err.message()
+        );
     }
     let err = client
         .call(|mut c, t| async move {
-            c.submit_job(control_plane::client::with_timeout(pb::SubmitJobRequest { spec: None, idempotency_key: String::new() }, t)).await
+            c.submit_job(control_plane::client::with_timeout(
+                pb::SubmitJobRequest {
+                    spec: None,
+                    idempotency_key: String::new(),
+                },
+                t,
+            ))
+            .await
         })
         .await
         .unwrap_err();
@@ -47,9 +127,30 @@ async fn invalid_requests_are_refused_naming_the_field_and_write_nothing() {
     let (ok, _, err) = gpuctl(&c, &["partition", "set", "a100"]);
     assert!(ok, "{err}");
     let mid = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
-    let err = submit(&mut client, pb::JobSpec { tenant: "team-z".into(), ..spec("t", 1) }, "").await.unwrap_err();
-    assert!(err.message().starts_with("tenant") && err.message().contains("team-a"), "{err:?}");
-    let err = submit(&mut client, pb::JobSpec { partition: "h100".into(), ..spec("p", 1) }, "").await.unwrap_err();
+    let err = submit(
+        &mut client,
+        pb::JobSpec {
+            tenant: "team-z".into(),
+            ..spec("t", 1)
+        },
+        "",
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        err.message().starts_with("tenant") && err.message().contains("team-a"),
+        "{err:?}"
+    );
+    let err = submit(
+        &mut client,
+        pb::JobSpec {
+            partition: "h100".into(),
+            ..spec("p", 1)
+        },
+        "",
+    )
+    .await
+    .unwrap_err();
     assert!(err.message().starts_with("partition"), "{err:?}");
 
     step("gpuctl reports a bad time limit before sending anything");
@@ -61,7 +162,10 @@ async fn invalid_requests_are_refused_naming_the_field_and_write_nothing() {
     let after = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
     assert_eq!(after.jobs, 0);
     assert_eq!(before.jobs, 0);
-    assert_eq!(after.last_log_index, mid.last_log_index, "a rejected request reached the log");
+    assert_eq!(
+        after.last_log_index, mid.last_log_index,
+        "a rejected request reached the log"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -84,11 +188,23 @@ async fn a_replica_refuses_a_data_directory_it_cannot_trust() {
     };
 
     step("metadata from another cluster");
-    std::fs::write(&meta_path, String::from_utf8(good_meta.clone()).unwrap().replace("\"test\"", "\"prod\"")).unwrap();
+    std::fs::write(
+        &meta_path,
+        String::from_utf8(good_meta.clone())
+            .unwrap()
+            .replace("\"test\"", "\"prod\""),
+    )
+    .unwrap();
     refused(&mut c, "belongs to cluster \"prod\"");
 
     step("metadata from a newer format");
-    std::fs::write(&meta_path, String::from_utf8(good_meta.clone()).unwrap().replace("\"format_version\": 1", "\"format_version\": 7")).unwrap();
+    std::fs::write(
+        &meta_path,
+        String::from_utf8(good_meta.clone())
+            .unwrap()
+            .replace("\"format_version\": 1", "\"format_version\": 7"),
+    )
+    .unwrap();
     refused(&mut c, "newer gpu-control-plane");
 
     step("garbage metadata");

@@ -16,7 +16,9 @@ async fn a_job_submitted_through_a_follower_is_on_every_replica() {
 
     step("submit through a follower only");
     let mut via_follower = c.client_for(follower).unwrap();
-    let resp = submit(&mut via_follower, spec("through-follower", 2), "").await.unwrap();
+    let resp = submit(&mut via_follower, spec("through-follower", 2), "")
+        .await
+        .unwrap();
     assert!(resp.created);
 
     step("a linearizable read through the follower sees it at once");
@@ -39,7 +41,10 @@ async fn a_job_submitted_through_a_follower_is_on_every_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_with_the_same_idempotency_key_returns_the_same_job() {
     let c = start(3, &[]).await;
-    let mut clients: Vec<_> = [1, 2, 3].iter().map(|id| c.client_for(*id).unwrap()).collect();
+    let mut clients: Vec<_> = [1, 2, 3]
+        .iter()
+        .map(|id| c.client_for(*id).unwrap())
+        .collect();
 
     step("the same request through each replica");
     let mut ids = Vec::new();
@@ -47,10 +52,15 @@ async fn a_retry_with_the_same_idempotency_key_returns_the_same_job() {
         ids.push(submit(client, spec("retry", 1), "key-1").await.unwrap());
     }
     assert!(ids[0].created);
-    assert!(ids.iter().skip(1).all(|r| !r.created && r.id == ids[0].id), "{ids:?}");
+    assert!(
+        ids.iter().skip(1).all(|r| !r.created && r.id == ids[0].id),
+        "{ids:?}"
+    );
 
     step("a different request reusing the key is refused");
-    let err = submit(&mut clients[0], spec("other", 4), "key-1").await.unwrap_err();
+    let err = submit(&mut clients[0], spec("other", 4), "key-1")
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
 
     step("exactly one job exists");
@@ -68,15 +78,33 @@ async fn watch_streams_committed_changes_from_any_replica() {
     step("watch on a follower");
     let mut watcher = c.client_for(follower).unwrap();
     let mut stream = watcher
-        .call(|mut c, _| async move { c.watch_jobs(pb::WatchJobsRequest { tenant: "team-a".into(), initial: false }).await })
+        .call(|mut c, _| async move {
+            c.watch_jobs(pb::WatchJobsRequest {
+                tenant: "team-a".into(),
+                initial: false,
+            })
+            .await
+        })
         .await
         .unwrap();
 
     step("submit and cancel through the leader");
     let mut leader = c.client_for(status.leader).unwrap();
-    let id = submit(&mut leader, spec("watched", 1), "").await.unwrap().id;
+    let id = submit(&mut leader, spec("watched", 1), "")
+        .await
+        .unwrap()
+        .id;
     leader
-        .call(|mut c, t| async move { c.cancel_job(with_timeout(pb::CancelJobRequest { id, reason: "test".into() }, t)).await })
+        .call(|mut c, t| async move {
+            c.cancel_job(with_timeout(
+                pb::CancelJobRequest {
+                    id,
+                    reason: "test".into(),
+                },
+                t,
+            ))
+            .await
+        })
         .await
         .unwrap();
 
@@ -99,11 +127,43 @@ async fn gpuctl_prints_json_other_tools_can_rely_on() {
     let c = start(3, &[]).await;
 
     step("gpuctl submit --output json");
-    let (ok, out, err) = gpuctl(&c, &["submit", "--gpus", "2", "--time", "24:00:00", "--idempotency-key", "k", "-o", "json", "--", "python", "train.py"]);
+    let (ok, out, err) = gpuctl(
+        &c,
+        &[
+            "submit",
+            "--gpus",
+            "2",
+            "--time",
+            "24:00:00",
+            "--idempotency-key",
+            "k",
+            "-o",
+            "json",
+            "--",
+            "python",
+            "train.py",
+        ],
+    );
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let id = v["id"].as_u64().expect("an id");
-    let (ok, out, _) = gpuctl(&c, &["submit", "--gpus", "2", "--time", "24:00:00", "--idempotency-key", "k", "-o", "json", "--", "python", "train.py"]);
+    let (ok, out, _) = gpuctl(
+        &c,
+        &[
+            "submit",
+            "--gpus",
+            "2",
+            "--time",
+            "24:00:00",
+            "--idempotency-key",
+            "k",
+            "-o",
+            "json",
+            "--",
+            "python",
+            "train.py",
+        ],
+    );
     assert!(ok);
     let again: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(again["id"].as_u64(), Some(id));

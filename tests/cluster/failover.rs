@@ -14,7 +14,9 @@ async fn every_acknowledged_job_survives_a_leader_sigkill() {
     step("submit 40 jobs");
     let mut acknowledged = BTreeSet::new();
     for i in 0..40 {
-        let r = submit(&mut client, spec(&format!("job-{i}"), 1), &format!("k{i}")).await.unwrap();
+        let r = submit(&mut client, spec(&format!("job-{i}"), 1), &format!("k{i}"))
+            .await
+            .unwrap();
         acknowledged.insert(r.id);
     }
     assert_eq!(acknowledged.len(), 40);
@@ -40,7 +42,9 @@ async fn every_acknowledged_job_survives_a_leader_sigkill() {
     assert!(acknowledged.contains(&r.id));
 
     step("the cluster keeps accepting work with two replicas");
-    let r = submit(&mut client, spec("after", 1), "after").await.unwrap();
+    let r = submit(&mut client, spec("after", 1), "after")
+        .await
+        .unwrap();
     assert!(r.created);
     assert!(r.id > *acknowledged.iter().max().unwrap());
 }
@@ -56,13 +60,22 @@ async fn a_killed_replica_restarts_and_catches_up() {
     step("SIGKILL a follower and keep writing");
     c.kill(victim).unwrap();
     for i in 0..20 {
-        submit(&mut client, spec(&format!("while-down-{i}"), 1), "").await.unwrap();
+        submit(&mut client, spec(&format!("while-down-{i}"), 1), "")
+            .await
+            .unwrap();
     }
     let leader_status = c.status(status.leader).await.unwrap();
 
     step("restart it: it recovers its own log and catches up");
-    c.start(victim, control_plane::local_cluster::StartMode::Initial).unwrap();
-    let s = wait_applied(&c, victim, leader_status.commit_index, Duration::from_secs(20)).await;
+    c.start(victim, control_plane::local_cluster::StartMode::Initial)
+        .unwrap();
+    let s = wait_applied(
+        &c,
+        victim,
+        leader_status.commit_index,
+        Duration::from_secs(20),
+    )
+    .await;
     assert_eq!(s.leader, status.leader);
     let mut local = c.client_for(victim).unwrap();
     assert_eq!(list_jobs(&mut local, true).await.len(), 21);

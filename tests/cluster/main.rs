@@ -6,4 +6,5 @@ mod bad_input;
 mod basic;
 mod failover;
 mod membership;
+mod telemetry;
 mod util;

@@ -69,7 +69,11 @@ pub fn spec(name: &str, gpus: i64) -> pb::JobSpec {
     }
 }
 
-pub async fn submit(client: &mut Client, spec: pb::JobSpec, key: &str) -> Result<pb::SubmitJobResponse, tonic::Status> {
+pub async fn submit(
+    client: &mut Client,
+    spec: pb::JobSpec,
+    key: &str,
+) -> Result<pb::SubmitJobResponse, tonic::Status> {
     let req = pb::SubmitJobRequest {
         spec: Some(spec),
         idempotency_key: key.into(),
@@ -99,7 +103,12 @@ pub async fn list_jobs(client: &mut Client, stale: bool) -> Vec<pb::Job> {
 }
 
 /// Waits until replica `id` has applied at least `index`.
-pub async fn wait_applied(c: &LocalCluster, id: u64, index: u64, timeout: Duration) -> pb::ClusterStatusResponse {
+pub async fn wait_applied(
+    c: &LocalCluster,
+    id: u64,
+    index: u64,
+    timeout: Duration,
+) -> pb::ClusterStatusResponse {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         if let Some(s) = c.status(id).await
@@ -118,7 +127,11 @@ pub async fn wait_applied(c: &LocalCluster, id: u64, index: u64, timeout: Durati
 }
 
 pub fn follower_of(s: &pb::ClusterStatusResponse) -> u64 {
-    s.members.iter().map(|m| m.id).find(|id| *id != s.leader).expect("a follower")
+    s.members
+        .iter()
+        .map(|m| m.id)
+        .find(|id| *id != s.leader)
+        .expect("a follower")
 }
 
 /// Runs gpuctl against the cluster and returns (exit success, stdout, stderr).

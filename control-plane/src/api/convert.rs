@@ -16,7 +16,10 @@ fn count(field: &str, value: i64, max: u64) -> Result<u64, Rejection> {
     }
     let v = value as u64;
     if v > max {
-        return Err(Rejection::invalid(field, format!("{v} is larger than {max}")));
+        return Err(Rejection::invalid(
+            field,
+            format!("{v} is larger than {max}"),
+        ));
     }
     Ok(v)
 }
@@ -40,7 +43,10 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
                 ));
             }
         };
-        dependencies.push(Dependency { kind, job: d.job_id });
+        dependencies.push(Dependency {
+            kind,
+            job: d.job_id,
+        });
     }
     let priority_class = if spec.priority_class.is_empty() {
         DEFAULT_PRIORITY_CLASS.to_owned()

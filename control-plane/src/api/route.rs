@@ -28,7 +28,9 @@ pub fn rejection_status(r: &Rejection) -> Status {
 pub fn error_status(replica: &Replica, e: ApiError) -> Status {
     match e {
         ApiError::Rejected(r) => rejection_status(&r),
-        ApiError::NotLeader { leader: Some((id, addr)) } => Status::unavailable(format!(
+        ApiError::NotLeader {
+            leader: Some((id, addr)),
+        } => Status::unavailable(format!(
             "replica {} is not the leader; the leader is replica {id} at {addr}; retry there",
             replica.id
         )),

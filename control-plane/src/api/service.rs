@@ -82,12 +82,16 @@ impl ControlPlane for ControlPlaneService {
                 };
                 // Checks against current state first so that a request the state would reject
                 // is answered without adding an entry to the log. Apply checks again.
-                let known = key.as_deref().and_then(|k| r.sm.read().cluster.job_for_key(&spec.tenant, k));
+                let known = key
+                    .as_deref()
+                    .and_then(|k| r.sm.read().cluster.job_for_key(&spec.tenant, k));
                 if known.is_none() {
                     r.sm.read().cluster.check_submission(&spec)?;
                 }
                 match r.write(Command::submit(spec, key)).await? {
-                    Outcome::JobSubmitted { id, created } => Ok(pb::SubmitJobResponse { id, created }),
+                    Outcome::JobSubmitted { id, created } => {
+                        Ok(pb::SubmitJobResponse { id, created })
+                    }
                     other => Err(unexpected(other)),
                 }
             },
@@ -109,7 +113,10 @@ impl ControlPlane for ControlPlaneService {
                 match r.write(Command::cancel(req.id, req.reason)).await? {
                     Outcome::JobCancelled { id } => {
                         let data = r.sm.read();
-                        let job = data.cluster.job(id).map(|j| convert::job_to_proto(j, &data.cluster));
+                        let job = data
+                            .cluster
+                            .job(id)
+                            .map(|j| convert::job_to_proto(j, &data.cluster));
                         Ok(pb::CancelJobResponse { job })
                     }
                     other => Err(unexpected(other)),
@@ -121,7 +128,10 @@ impl ControlPlane for ControlPlaneService {
     }
 
     #[tracing::instrument(level = "debug", skip_all, name = "rpc.GetJob")]
-    async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
+    async fn get_job(
+        &self,
+        request: Request<pb::GetJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
         let r = &self.replica;
         route(
             r,
@@ -132,7 +142,9 @@ impl ControlPlane for ControlPlaneService {
                 data.cluster
                     .job(req.id)
                     .map(|j| convert::job_to_proto(j, &data.cluster))
-                    .ok_or_else(|| Rejection::not_found(format!("job {} does not exist", req.id)).into())
+                    .ok_or_else(|| {
+                        Rejection::not_found(format!("job {} does not exist", req.id)).into()
+                    })
             },
             |mut c, req| async move { c.get_job(req).await },
         )
@@ -164,7 +176,10 @@ impl ControlPlane for ControlPlaneService {
                         }
                     })
                     .filter(|j| req.tenant.is_empty() || j.spec.tenant == req.tenant)
-                    .filter(|j| req.partition.is_empty() || j.spec.partition.as_deref() == Some(req.partition.as_str()))
+                    .filter(|j| {
+                        req.partition.is_empty()
+                            || j.spec.partition.as_deref() == Some(req.partition.as_str())
+                    })
                     .map(|j| convert::job_to_proto(j, &data.cluster))
                     .collect();
                 Ok(pb::ListJobsResponse { jobs })
@@ -294,7 +309,10 @@ impl ControlPlane for ControlPlaneService {
                 if !req.learner_only {
                     tracing::info!(id = req.id, "promoting replica to voter");
                     r.raft
-                        .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([req.id])), false)
+                        .change_membership(
+                            ChangeMembers::AddVoterIds(BTreeSet::from([req.id])),
+                            false,
+                        )
                         .await
                         .map_err(|e| membership_error(r, e))?;
                 }
@@ -321,7 +339,10 @@ impl ControlPlane for ControlPlaneService {
                 let voters: BTreeSet<NodeId> = membership.membership().voter_ids().collect();
                 let change = if voters.contains(&req.id) {
                     if voters.len() == 1 {
-                        return Err(Rejection::precondition("cannot remove the last voting replica").into());
+                        return Err(Rejection::precondition(
+                            "cannot remove the last voting replica",
+                        )
+                        .into());
                     }
                     ChangeMembers::RemoveVoters(BTreeSet::from([req.id]))
                 } else {
@@ -340,7 +361,10 @@ impl ControlPlane for ControlPlaneService {
     }
 
     #[tracing::instrument(level = "info", skip_all, name = "rpc.PutTenant")]
-    async fn put_tenant(&self, request: Request<pb::Tenant>) -> Result<Response<pb::Tenant>, Status> {
+    async fn put_tenant(
+        &self,
+        request: Request<pb::Tenant>,
+    ) -> Result<Response<pb::Tenant>, Status> {
         let r = &self.replica;
         route(
             r,
@@ -348,7 +372,12 @@ impl ControlPlane for ControlPlaneService {
             |req| async move {
                 let tenant = convert::tenant_from_proto(req);
                 crate::state::validate::validate_tenant(&tenant)?;
-                match r.write(Command::PutTenant { tenant: tenant.clone() }).await? {
+                match r
+                    .write(Command::PutTenant {
+                        tenant: tenant.clone(),
+                    })
+                    .await?
+                {
                     Outcome::Done => Ok(convert::tenant_to_proto(&tenant)),
                     other => Err(unexpected(other)),
                 }
@@ -370,7 +399,12 @@ impl ControlPlane for ControlPlaneService {
                 read_barrier(r, &req.read).await?;
                 let data = r.sm.read();
                 Ok(pb::ListTenantsResponse {
-                    tenants: data.cluster.tenants.values().map(convert::tenant_to_proto).collect(),
+                    tenants: data
+                        .cluster
+                        .tenants
+                        .values()
+                        .map(convert::tenant_to_proto)
+                        .collect(),
                 })
             },
             |mut c, req| async move { c.list_tenants(req).await },
@@ -379,7 +413,10 @@ impl ControlPlane for ControlPlaneService {
     }
 
     #[tracing::instrument(level = "info", skip_all, name = "rpc.PutPartition")]
-    async fn put_partition(&self, request: Request<pb::Partition>) -> Result<Response<pb::Partition>, Status> {
+    async fn put_partition(
+        &self,
+        request: Request<pb::Partition>,
+    ) -> Result<Response<pb::Partition>, Status> {
         let r = &self.replica;
         route(
             r,
@@ -387,7 +424,12 @@ impl ControlPlane for ControlPlaneService {
             |req| async move {
                 let partition = convert::partition_from_proto(req);
                 crate::state::validate::validate_partition(&partition)?;
-                match r.write(Command::PutPartition { partition: partition.clone() }).await? {
+                match r
+                    .write(Command::PutPartition {
+                        partition: partition.clone(),
+                    })
+                    .await?
+                {
                     Outcome::Done => Ok(convert::partition_to_proto(&partition)),
                     other => Err(unexpected(other)),
                 }
@@ -409,7 +451,12 @@ impl ControlPlane for ControlPlaneService {
                 read_barrier(r, &req.read).await?;
                 let data = r.sm.read();
                 Ok(pb::ListPartitionsResponse {
-                    partitions: data.cluster.partitions.values().map(convert::partition_to_proto).collect(),
+                    partitions: data
+                        .cluster
+                        .partitions
+                        .values()
+                        .map(convert::partition_to_proto)
+                        .collect(),
                 })
             },
             |mut c, req| async move { c.list_partitions(req).await },
@@ -420,11 +467,15 @@ impl ControlPlane for ControlPlaneService {
 
 fn membership_error<E>(r: &Replica, e: openraft::error::RaftError<NodeId, E>) -> ApiError
 where
-    E: std::fmt::Display + std::fmt::Debug + openraft::TryAsRef<openraft::error::ForwardToLeader<NodeId, openraft::BasicNode>>,
+    E: std::fmt::Display
+        + std::fmt::Debug
+        + openraft::TryAsRef<openraft::error::ForwardToLeader<NodeId, openraft::BasicNode>>,
 {
     if let Some(f) = e.forward_to_leader() {
         return ApiError::NotLeader {
-            leader: f.leader_id.zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
+            leader: f
+                .leader_id
+                .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
         };
     }
     ApiError::Rejected(Rejection::precondition(format!(
@@ -457,7 +508,9 @@ fn check_member_request(r: &Replica, id: NodeId, address: Option<&str>) -> Resul
             {
                 return Err(Rejection::invalid(
                     "address",
-                    format!("replica {id} is already a member at {existing}; remove it first to change its address"),
+                    format!(
+                        "replica {id} is already a member at {existing}; remove it first to change its address"
+                    ),
                 ));
             }
             if let Some((other, _)) = nodes.iter().find(|(i, a)| **i != id && a.as_str() == addr) {
@@ -469,7 +522,9 @@ fn check_member_request(r: &Replica, id: NodeId, address: Option<&str>) -> Resul
         }
         None => {
             if !nodes.contains_key(&id) {
-                return Err(Rejection::not_found(format!("replica {id} is not a member")));
+                return Err(Rejection::not_found(format!(
+                    "replica {id} is not a member"
+                )));
             }
         }
     }
@@ -494,7 +549,12 @@ pub fn cluster_status(r: &Replica) -> pb::ClusterStatusResponse {
         .map(|(id, node)| pb::Member {
             id: *id,
             address: node.addr.clone(),
-            role: if voters.contains(id) { "voter" } else { "learner" }.to_owned(),
+            role: if voters.contains(id) {
+                "voter"
+            } else {
+                "learner"
+            }
+            .to_owned(),
             matched_index: matched.get(id).copied().unwrap_or(0),
         })
         .collect();

@@ -4,7 +4,10 @@ use clap::Parser;
 use control_plane::config::{Defaults, ReplicaArgs};
 
 #[derive(Parser)]
-#[command(version, about = "One replica of gpu-control-plane's Raft-replicated control plane")]
+#[command(
+    version,
+    about = "One replica of gpu-control-plane's Raft-replicated control plane"
+)]
 struct Cli {
     #[command(flatten)]
     replica: ReplicaArgs,

@@ -49,12 +49,16 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         cluster.extra_args = replica_args.split_whitespace().map(str::to_owned).collect();
     }
     cluster.start_all()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let result = runtime.block_on(async {
         cluster.wait_for_leader(Duration::from_secs(30)).await?;
         match command {
             BenchCommand::Failover { kills, .. } => failover(&mut cluster, kills).await,
-            BenchCommand::Submit { clients, seconds } => submit(&cluster, &clients, Duration::from_secs(seconds)).await,
+            BenchCommand::Submit { clients, seconds } => {
+                submit(&cluster, &clients, Duration::from_secs(seconds)).await
+            }
         }
     })?;
     match fmt {
@@ -114,7 +118,12 @@ async fn failover(cluster: &mut LocalCluster, kills: usize) -> anyhow::Result<Re
         let mut client = cluster.client()?;
         seq += 1;
         let req = submit_request(seq, "warm");
-        client.call(|mut c, t| { let r = req.clone(); async move { c.submit_job(with_timeout(r, t)).await } }).await?;
+        client
+            .call(|mut c, t| {
+                let r = req.clone();
+                async move { c.submit_job(with_timeout(r, t)).await }
+            })
+            .await?;
         for id in cluster.replicas.keys().copied().collect::<Vec<_>>() {
             wait_applied(cluster, id, before.commit_index).await?;
         }
@@ -141,7 +150,12 @@ async fn failover(cluster: &mut LocalCluster, kills: usize) -> anyhow::Result<Re
                         if let Ok(mut c) = Client::new(std::slice::from_ref(a)) {
                             c.deadline = Duration::from_millis(100);
                             c.attempt_timeout = Duration::from_millis(100);
-                            if let Ok(s) = c.call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await }).await
+                            if let Ok(s) = c
+                                .call(|mut c, t| async move {
+                                    c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
+                                        .await
+                                })
+                                .await
                                 && s.leader != 0
                                 && s.leader != killed
                                 && s.term > before.term
@@ -156,7 +170,12 @@ async fn failover(cluster: &mut LocalCluster, kills: usize) -> anyhow::Result<Re
         };
         seq += 1;
         let req = submit_request(seq, "probe");
-        probe.call(|mut c, t| { let r = req.clone(); async move { c.submit_job(with_timeout(r, t)).await } }).await?;
+        probe
+            .call(|mut c, t| {
+                let r = req.clone();
+                async move { c.submit_job(with_timeout(r, t)).await }
+            })
+            .await?;
         let committed = t0.elapsed();
         let (elected_at, new_leader) = leader_watch.await?;
         let elected = elected_at.duration_since(t0).min(committed);
@@ -185,10 +204,21 @@ async fn failover(cluster: &mut LocalCluster, kills: usize) -> anyhow::Result<Re
         ]
     };
     let text = table(
-        &["FROM SIGKILL OF THE LEADER TO", "P50_MS", "P99_MS", "MAX_MS"],
-        &[row("a new leader", &j["to_new_leader_ms"]), row("first committed write", &j["to_first_commit_ms"])],
+        &[
+            "FROM SIGKILL OF THE LEADER TO",
+            "P50_MS",
+            "P99_MS",
+            "MAX_MS",
+        ],
+        &[
+            row("a new leader", &j["to_new_leader_ms"]),
+            row("first committed write", &j["to_first_commit_ms"]),
+        ],
     );
-    Ok(Report { text: format!("{kills} leader kills, 3 replicas\n{text}"), json: j })
+    Ok(Report {
+        text: format!("{kills} leader kills, 3 replicas\n{text}"),
+        json: j,
+    })
 }
 
 async fn wait_applied(cluster: &LocalCluster, id: u64, index: u64) -> anyhow::Result<()> {
@@ -206,7 +236,11 @@ async fn wait_applied(cluster: &LocalCluster, id: u64, index: u64) -> anyhow::Re
     }
 }
 
-async fn submit(cluster: &LocalCluster, client_counts: &[usize], duration: Duration) -> anyhow::Result<Report> {
+async fn submit(
+    cluster: &LocalCluster,
+    client_counts: &[usize],
+    duration: Duration,
+) -> anyhow::Result<Report> {
     let mut rows = Vec::new();
     let mut results = Vec::new();
     for (run, &clients) in client_counts.iter().enumerate() {
@@ -219,7 +253,13 @@ async fn submit(cluster: &LocalCluster, client_counts: &[usize], duration: Durat
             let mut client = cluster.client()?;
             // Spread clients over replicas, as real users would be.
             for _ in 0..c % 3 {
-                client.call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await }).await.ok();
+                client
+                    .call(|mut c, t| async move {
+                        c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
+                            .await
+                    })
+                    .await
+                    .ok();
             }
             let prefix = format!("run{run}-client{c}");
             tasks.push(tokio::spawn(async move {
@@ -230,7 +270,10 @@ async fn submit(cluster: &LocalCluster, client_counts: &[usize], duration: Durat
                     let req = submit_request(i, &prefix);
                     let t = Instant::now();
                     client
-                        .call(|mut c, to| { let r = req.clone(); async move { c.submit_job(with_timeout(r, to)).await } })
+                        .call(|mut c, to| {
+                            let r = req.clone();
+                            async move { c.submit_job(with_timeout(r, to)).await }
+                        })
                         .await?;
                     latencies.push(t.elapsed().as_secs_f64() * 1000.0);
                 }
@@ -253,7 +296,10 @@ async fn submit(cluster: &LocalCluster, client_counts: &[usize], duration: Durat
         ]);
         results.push(json!({"clients": clients, "committed": latencies.len(), "per_sec": per_sec, "latency_ms": lat}));
     }
-    let text = table(&["CLIENTS", "COMMITTED", "PER_SEC", "P50_MS", "P99_MS"], &rows);
+    let text = table(
+        &["CLIENTS", "COMMITTED", "PER_SEC", "P50_MS", "P99_MS"],
+        &rows,
+    );
     Ok(Report {
         text: format!("committed submissions through 3 replicas (durable, loopback)\n{text}"),
         json: json!({"benchmark": "submit", "runs": results}),

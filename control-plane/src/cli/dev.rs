@@ -34,7 +34,9 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut cluster = LocalCluster::new(&exe, &["replica"], &data_dir, "dev", &ports);
     cluster.start_all()?;
 
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(async {
         let started = Instant::now();
         let status = loop {

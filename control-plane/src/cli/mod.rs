@@ -22,7 +22,11 @@ use crate::replica::now_ms;
 use output::Format;
 
 #[derive(Parser)]
-#[command(name = "gpuctl", version, about = "Command-line client of gpu-control-plane")]
+#[command(
+    name = "gpuctl",
+    version,
+    about = "Command-line client of gpu-control-plane"
+)]
 pub struct Cli {
     /// Control-plane replicas to talk to, comma-separated; any one of them will do.
     #[arg(long, global = true, env = ENDPOINTS_ENV, default_value = DEV_ENDPOINTS, value_name = "HOST:PORT,...")]
@@ -215,13 +219,24 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await?;
             match fmt {
-                Format::Json => print_json(json!({"jobs": resp.jobs.iter().map(output::job_json).collect::<Vec<_>>()})),
+                Format::Json => print_json(
+                    json!({"jobs": resp.jobs.iter().map(output::job_json).collect::<Vec<_>>()}),
+                ),
                 Format::Table => print!("{}", output::jobs_table(&resp.jobs, now_ms())),
             }
         }
         Command::Show { job, stale } => {
             let j = client
-                .call(|mut c, t| async move { c.get_job(with_timeout(pb::GetJobRequest { id: job, read: read(stale) }, t)).await })
+                .call(|mut c, t| async move {
+                    c.get_job(with_timeout(
+                        pb::GetJobRequest {
+                            id: job,
+                            read: read(stale),
+                        },
+                        t,
+                    ))
+                    .await
+                })
                 .await?;
             match fmt {
                 Format::Json => print_json(output::job_json(&j)),
@@ -236,7 +251,10 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 let r = client
                     .call(|mut c, t| {
                         let reason = reason.clone();
-                        async move { c.cancel_job(with_timeout(pb::CancelJobRequest { id, reason }, t)).await }
+                        async move {
+                            c.cancel_job(with_timeout(pb::CancelJobRequest { id, reason }, t))
+                                .await
+                        }
                     })
                     .await;
                 match r {
@@ -265,10 +283,15 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Watch { tenant, initial } => watch(&mut client, tenant, initial, fmt).await?,
         Command::Nodes { stale } => {
             let resp = client
-                .call(|mut c, t| async move { c.list_nodes(with_timeout(pb::ListNodesRequest { read: read(stale) }, t)).await })
+                .call(|mut c, t| async move {
+                    c.list_nodes(with_timeout(pb::ListNodesRequest { read: read(stale) }, t))
+                        .await
+                })
                 .await?;
             match fmt {
-                Format::Json => print_json(json!({"nodes": resp.nodes.iter().map(output::node_json).collect::<Vec<_>>()})),
+                Format::Json => print_json(
+                    json!({"nodes": resp.nodes.iter().map(output::node_json).collect::<Vec<_>>()}),
+                ),
                 Format::Table => print!("{}", output::nodes_table(&resp.nodes)),
             }
         }
@@ -282,11 +305,19 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn watch(client: &mut Client, tenant: String, initial: bool, fmt: Format) -> anyhow::Result<()> {
+async fn watch(
+    client: &mut Client,
+    tenant: String,
+    initial: bool,
+    fmt: Format,
+) -> anyhow::Result<()> {
     // Watches are served by one replica; if it goes away, reconnect to another and re-list.
     let mut first = true;
     loop {
-        let req = pb::WatchJobsRequest { tenant: tenant.clone(), initial: initial || !first };
+        let req = pb::WatchJobsRequest {
+            tenant: tenant.clone(),
+            initial: initial || !first,
+        };
         let mut stream = client
             .call(|mut c, _| {
                 let req = req.clone();
@@ -299,10 +330,19 @@ async fn watch(client: &mut Client, tenant: String, initial: bool, fmt: Format) 
                 Ok(Some(ev)) => {
                     let Some(job) = ev.job else { continue };
                     match fmt {
-                        Format::Json => print_json(json!({"log_index": ev.log_index, "job": output::job_json(&job)})),
+                        Format::Json => print_json(
+                            json!({"log_index": ev.log_index, "job": output::job_json(&job)}),
+                        ),
                         Format::Table => {
-                            let reason = job.history.last().map(|h| h.reason.as_str()).unwrap_or("");
-                            println!("{:>8}  job {:<6} {:<10} {}", ev.log_index, job.id, job.state.to_uppercase(), reason);
+                            let reason =
+                                job.history.last().map(|h| h.reason.as_str()).unwrap_or("");
+                            println!(
+                                "{:>8}  job {:<6} {:<10} {}",
+                                ev.log_index,
+                                job.id,
+                                job.state.to_uppercase(),
+                                reason
+                            );
                         }
                     }
                 }
@@ -316,9 +356,14 @@ async fn watch(client: &mut Client, tenant: String, initial: bool, fmt: Format) 
     }
 }
 
-async fn cluster_status_from_leader(client: &mut Client) -> anyhow::Result<pb::ClusterStatusResponse> {
+async fn cluster_status_from_leader(
+    client: &mut Client,
+) -> anyhow::Result<pb::ClusterStatusResponse> {
     let status = client
-        .call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await })
+        .call(|mut c, t| async move {
+            c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
+                .await
+        })
         .await?;
     // Ask the leader itself when possible: only it knows how far each member has replicated.
     if status.leader != 0
@@ -328,7 +373,10 @@ async fn cluster_status_from_leader(client: &mut Client) -> anyhow::Result<pb::C
     {
         leader.deadline = Duration::from_secs(2);
         if let Ok(s) = leader
-            .call(|mut c, t| async move { c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t)).await })
+            .call(|mut c, t| async move {
+                c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
+                    .await
+            })
             .await
         {
             return Ok(s);
@@ -340,10 +388,18 @@ async fn cluster_status_from_leader(client: &mut Client) -> anyhow::Result<pb::C
 async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> anyhow::Result<()> {
     let status = match command {
         ClusterCommand::Status => cluster_status_from_leader(client).await?,
-        ClusterCommand::Add { id, address, learner } => {
+        ClusterCommand::Add {
+            id,
+            address,
+            learner,
+        } => {
             // Catching up can take a while on a large log.
             client.attempt_timeout = client.deadline.max(Duration::from_secs(60));
-            let req = pb::AddReplicaRequest { id, address, learner_only: learner };
+            let req = pb::AddReplicaRequest {
+                id,
+                address,
+                learner_only: learner,
+            };
             client
                 .call(|mut c, t| {
                     let req = req.clone();
@@ -353,7 +409,10 @@ async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> a
         }
         ClusterCommand::Remove { id } => {
             client
-                .call(|mut c, t| async move { c.remove_replica(with_timeout(pb::RemoveReplicaRequest { id }, t)).await })
+                .call(|mut c, t| async move {
+                    c.remove_replica(with_timeout(pb::RemoveReplicaRequest { id }, t))
+                        .await
+                })
                 .await?
         }
     };
@@ -366,18 +425,33 @@ async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> a
 
 async fn tenant(client: &mut Client, command: TenantCommand, fmt: Format) -> anyhow::Result<()> {
     let tenants = match command {
-        TenantCommand::Set { name, weight, quota, max } => {
-            let t = pb::Tenant { name, weight, quota_gpus: quota, max_gpus: max };
-            vec![client
-                .call(|mut c, to| {
-                    let t = t.clone();
-                    async move { c.put_tenant(with_timeout(t, to)).await }
-                })
-                .await?]
+        TenantCommand::Set {
+            name,
+            weight,
+            quota,
+            max,
+        } => {
+            let t = pb::Tenant {
+                name,
+                weight,
+                quota_gpus: quota,
+                max_gpus: max,
+            };
+            vec![
+                client
+                    .call(|mut c, to| {
+                        let t = t.clone();
+                        async move { c.put_tenant(with_timeout(t, to)).await }
+                    })
+                    .await?,
+            ]
         }
         TenantCommand::List => {
             client
-                .call(|mut c, t| async move { c.list_tenants(with_timeout(pb::ListTenantsRequest { read: None }, t)).await })
+                .call(|mut c, t| async move {
+                    c.list_tenants(with_timeout(pb::ListTenantsRequest { read: None }, t))
+                        .await
+                })
                 .await?
                 .tenants
         }
@@ -389,36 +463,64 @@ async fn tenant(client: &mut Client, command: TenantCommand, fmt: Format) -> any
         Format::Table => {
             let rows: Vec<Vec<String>> = tenants
                 .iter()
-                .map(|t| vec![t.name.clone(), t.weight.to_string(), t.quota_gpus.to_string(), if t.max_gpus == 0 { "-".into() } else { t.max_gpus.to_string() }])
+                .map(|t| {
+                    vec![
+                        t.name.clone(),
+                        t.weight.to_string(),
+                        t.quota_gpus.to_string(),
+                        if t.max_gpus == 0 {
+                            "-".into()
+                        } else {
+                            t.max_gpus.to_string()
+                        },
+                    ]
+                })
                 .collect();
-            print!("{}", output::table(&["TENANT", "WEIGHT", "QUOTA_GPUS", "MAX_GPUS"], &rows));
+            print!(
+                "{}",
+                output::table(&["TENANT", "WEIGHT", "QUOTA_GPUS", "MAX_GPUS"], &rows)
+            );
         }
     }
     Ok(())
 }
 
-async fn partition(client: &mut Client, command: PartitionCommand, fmt: Format) -> anyhow::Result<()> {
+async fn partition(
+    client: &mut Client,
+    command: PartitionCommand,
+    fmt: Format,
+) -> anyhow::Result<()> {
     let partitions = match command {
         PartitionCommand::Set { name, description } => {
             let p = pb::Partition { name, description };
-            vec![client
-                .call(|mut c, t| {
-                    let p = p.clone();
-                    async move { c.put_partition(with_timeout(p, t)).await }
-                })
-                .await?]
+            vec![
+                client
+                    .call(|mut c, t| {
+                        let p = p.clone();
+                        async move { c.put_partition(with_timeout(p, t)).await }
+                    })
+                    .await?,
+            ]
         }
         PartitionCommand::List => {
             client
-                .call(|mut c, t| async move { c.list_partitions(with_timeout(pb::ListPartitionsRequest { read: None }, t)).await })
+                .call(|mut c, t| async move {
+                    c.list_partitions(with_timeout(pb::ListPartitionsRequest { read: None }, t))
+                        .await
+                })
                 .await?
                 .partitions
         }
     };
     match fmt {
-        Format::Json => print_json(json!({"partitions": partitions.iter().map(|p| json!({"name": p.name, "description": p.description})).collect::<Vec<_>>()})),
+        Format::Json => print_json(
+            json!({"partitions": partitions.iter().map(|p| json!({"name": p.name, "description": p.description})).collect::<Vec<_>>()}),
+        ),
         Format::Table => {
-            let rows: Vec<Vec<String>> = partitions.iter().map(|p| vec![p.name.clone(), p.description.clone()]).collect();
+            let rows: Vec<Vec<String>> = partitions
+                .iter()
+                .map(|p| vec![p.name.clone(), p.description.clone()])
+                .collect();
             print!("{}", output::table(&["PARTITION", "DESCRIPTION"], &rows));
         }
     }

@@ -128,22 +128,48 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
         .map(|j| {
             let spec = j.spec.clone().unwrap_or_default();
             let nodes: Vec<&str> = j.allocations.iter().map(|a| a.node.as_str()).collect();
-            let reason = j.history.last().map(|h| h.reason.clone()).unwrap_or_default();
+            let reason = j
+                .history
+                .last()
+                .map(|h| h.reason.clone())
+                .unwrap_or_default();
             vec![
                 j.id.to_string(),
                 spec.tenant,
-                if spec.name.is_empty() { spec.command.first().cloned().unwrap_or_default() } else { spec.name },
+                if spec.name.is_empty() {
+                    spec.command.first().cloned().unwrap_or_default()
+                } else {
+                    spec.name
+                },
                 j.state.to_uppercase(),
                 format!("{}x{}", spec.tasks, spec.gpus_per_task),
-                if spec.partition.is_empty() { "-".into() } else { spec.partition },
+                if spec.partition.is_empty() {
+                    "-".into()
+                } else {
+                    spec.partition
+                },
                 format_duration(spec.time_limit_secs as u64),
                 age(j.submitted_at_ms, now_ms),
-                if nodes.is_empty() { reason } else { nodes.join(",") },
+                if nodes.is_empty() {
+                    reason
+                } else {
+                    nodes.join(",")
+                },
             ]
         })
         .collect();
     table(
-        &["JOBID", "TENANT", "NAME", "STATE", "TASKSxGPUS", "PARTITION", "TIME_LIMIT", "AGE", "NODES/REASON"],
+        &[
+            "JOBID",
+            "TENANT",
+            "NAME",
+            "STATE",
+            "TASKSxGPUS",
+            "PARTITION",
+            "TIME_LIMIT",
+            "AGE",
+            "NODES/REASON",
+        ],
         &rows,
     )
 }
@@ -157,30 +183,65 @@ pub fn job_details(j: &pb::Job) -> String {
     kv("Tenant:", spec.tenant.clone());
     kv("Name:", spec.name.clone());
     kv("Command:", spec.command.join(" "));
-    kv("Resources:", format!(
-        "{} task(s) x {} GPU(s), {} mCPU, {} MiB per task",
-        spec.tasks, spec.gpus_per_task, spec.cpu_milli_per_task, spec.memory_mib_per_task
-    ));
-    kv("GPU models:", if spec.gpu_models.is_empty() { "any".into() } else { spec.gpu_models.join("|") });
-    kv("Partition:", if spec.partition.is_empty() { "-".into() } else { spec.partition.clone() });
+    kv(
+        "Resources:",
+        format!(
+            "{} task(s) x {} GPU(s), {} mCPU, {} MiB per task",
+            spec.tasks, spec.gpus_per_task, spec.cpu_milli_per_task, spec.memory_mib_per_task
+        ),
+    );
+    kv(
+        "GPU models:",
+        if spec.gpu_models.is_empty() {
+            "any".into()
+        } else {
+            spec.gpu_models.join("|")
+        },
+    );
+    kv(
+        "Partition:",
+        if spec.partition.is_empty() {
+            "-".into()
+        } else {
+            spec.partition.clone()
+        },
+    );
     kv("Priority:", spec.priority_class.clone());
     kv("Time limit:", format_duration(spec.time_limit_secs as u64));
     if !spec.dependencies.is_empty() {
-        let deps: Vec<String> = spec.dependencies.iter().map(|d| {
-            let v = dependency_json(d);
-            format!("{}:{}", v["kind"].as_str().unwrap_or("?"), d.job_id)
-        }).collect();
+        let deps: Vec<String> = spec
+            .dependencies
+            .iter()
+            .map(|d| {
+                let v = dependency_json(d);
+                format!("{}:{}", v["kind"].as_str().unwrap_or("?"), d.job_id)
+            })
+            .collect();
         kv("Dependencies:", deps.join(","));
     }
     if !j.idempotency_key.is_empty() {
         kv("Idem. key:", j.idempotency_key.clone());
     }
     for a in &j.allocations {
-        kv("Allocation:", format!("{} on {} GPUs [{}] (term {})", a.id, a.node, a.gpus.join(", "), a.term));
+        kv(
+            "Allocation:",
+            format!(
+                "{} on {} GPUs [{}] (term {})",
+                a.id,
+                a.node,
+                a.gpus.join(", "),
+                a.term
+            ),
+        );
     }
     out.push_str("History:\n");
     for h in &j.history {
-        out.push_str(&format!("  {}  {:<10} {}\n", format_time(h.at_ms), h.state.to_uppercase(), h.reason));
+        out.push_str(&format!(
+            "  {}  {:<10} {}\n",
+            format_time(h.at_ms),
+            h.state.to_uppercase(),
+            h.reason
+        ));
     }
     out
 }
@@ -214,7 +275,11 @@ pub fn nodes_table(nodes: &[pb::Node]) -> String {
             vec![
                 n.name.clone(),
                 n.status.to_uppercase(),
-                if n.partition.is_empty() { "-".into() } else { n.partition.clone() },
+                if n.partition.is_empty() {
+                    "-".into()
+                } else {
+                    n.partition.clone()
+                },
                 models.join(","),
                 format!("{used}/{}", n.gpus.len()),
                 unhealthy.to_string(),
@@ -223,7 +288,19 @@ pub fn nodes_table(nodes: &[pb::Node]) -> String {
             ]
         })
         .collect();
-    table(&["NODE", "STATUS", "PARTITION", "MODEL", "GPUS_USED", "UNHEALTHY", "CPUS", "MEM_GIB"], &rows)
+    table(
+        &[
+            "NODE",
+            "STATUS",
+            "PARTITION",
+            "MODEL",
+            "GPUS_USED",
+            "UNHEALTHY",
+            "CPUS",
+            "MEM_GIB",
+        ],
+        &rows,
+    )
 }
 
 pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
@@ -250,7 +327,11 @@ pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
     let mut out = format!(
         "cluster {}: leader {}, term {}, commit index {}, applied {} (answered by replica {}, {})\n\n",
         s.cluster,
-        if s.leader == 0 { "none".to_owned() } else { s.leader.to_string() },
+        if s.leader == 0 {
+            "none".to_owned()
+        } else {
+            s.leader.to_string()
+        },
         s.term,
         s.commit_index,
         s.applied_index,
@@ -264,8 +345,16 @@ pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
             vec![
                 m.id.to_string(),
                 m.address.clone(),
-                if m.id == s.leader { format!("{} (leader)", m.role) } else { m.role.clone() },
-                if s.id == s.leader { m.matched_index.to_string() } else { "-".into() },
+                if m.id == s.leader {
+                    format!("{} (leader)", m.role)
+                } else {
+                    m.role.clone()
+                },
+                if s.id == s.leader {
+                    m.matched_index.to_string()
+                } else {
+                    "-".into()
+                },
             ]
         })
         .collect();

@@ -8,7 +8,8 @@ use proto::v1::{Dependency, dependency::Kind};
 /// Also accepts a plain suffix form (`90s`, `30m`, `12h`, `2d`). Returns seconds.
 pub fn parse_time_limit(s: &str) -> anyhow::Result<u64> {
     let s = s.trim();
-    let bad = || format!("time limit {s:?} is not MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS");
+    let bad =
+        || format!("time limit {s:?} is not MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS");
     if s.is_empty() {
         bail!(bad());
     }
@@ -91,7 +92,10 @@ pub fn parse_dependencies(s: &str) -> anyhow::Result<Vec<Dependency>> {
             let job_id: u64 = id
                 .parse()
                 .with_context(|| format!("dependency {group:?}: {id:?} is not a job id"))?;
-            deps.push(Dependency { kind: kind as i32, job_id });
+            deps.push(Dependency {
+                kind: kind as i32,
+                job_id,
+            });
             any = true;
         }
         if !any {

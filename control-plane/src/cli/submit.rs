@@ -14,10 +14,22 @@ use crate::client::{Client, with_timeout};
 #[derive(clap::Args)]
 pub struct SubmitArgs {
     /// GPUs per task (Slurm's `--gpus-per-task`).
-    #[arg(long, short = 'G', alias = "gpus-per-task", default_value_t = 1, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        short = 'G',
+        alias = "gpus-per-task",
+        default_value_t = 1,
+        allow_negative_numbers = true
+    )]
     pub gpus: i64,
     /// Number of tasks; tasks of one job are placed all together or not at all.
-    #[arg(long, short = 'n', alias = "ntasks", default_value_t = 1, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        short = 'n',
+        alias = "ntasks",
+        default_value_t = 1,
+        allow_negative_numbers = true
+    )]
     pub tasks: i64,
     /// Time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (or 90s, 30m, 12h, 2d).
     #[arg(long, short = 't')]
@@ -25,7 +37,13 @@ pub struct SubmitArgs {
     #[arg(long, short = 'p')]
     pub partition: Option<String>,
     /// Tenant (team or account) the job is charged to.
-    #[arg(long, short = 'A', alias = "account", env = "GPUCTL_TENANT", default_value = "default")]
+    #[arg(
+        long,
+        short = 'A',
+        alias = "account",
+        env = "GPUCTL_TENANT",
+        default_value = "default"
+    )]
     pub tenant: String,
     /// Job name (defaults to the program's name).
     #[arg(long, short = 'J', alias = "job-name")]

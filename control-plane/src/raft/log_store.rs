@@ -59,7 +59,10 @@ impl LogStore {
         for item in self.logs.iter() {
             let (k, v) = item.map_err(|e| format!("reading the Raft log: {e}"))?;
             let entry: Entry = decode(&v).map_err(|e| {
-                format!("Raft log entry at key {:?} does not decode: {e}", k.as_ref())
+                format!(
+                    "Raft log entry at key {:?} does not decode: {e}",
+                    k.as_ref()
+                )
             })?;
             if k.as_ref() != key(entry.log_id.index) {
                 return Err(format!(
@@ -79,11 +82,7 @@ impl LogStore {
     }
 
     fn get_meta<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, StorageError> {
-        let Some(bytes) = self
-            .meta
-            .get(name)
-            .map_err(|e| StorageIOError::read(&e))?
-        else {
+        let Some(bytes) = self.meta.get(name).map_err(|e| StorageIOError::read(&e))? else {
             return Ok(None);
         };
         decode(&bytes)
@@ -153,7 +152,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
         let last_purged: Option<LogId> = self.get_meta(LAST_PURGED)?;
-        let last = match self.logs.last().map_err(|e| StorageIOError::read_logs(&e))? {
+        let last = match self
+            .logs
+            .last()
+            .map_err(|e| StorageIOError::read_logs(&e))?
+        {
             Some((_, v)) => {
                 let entry: Entry = decode(&v).map_err(|e| StorageIOError::read_logs(&e))?;
                 Some(entry.log_id)
@@ -202,7 +205,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     #[tracing::instrument(level = "debug", skip_all, name = "raft.append")]
-    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<(), StorageError>
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError>
     where
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use openraft::BasicNode;
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
 };
@@ -14,7 +15,6 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 use proto::raft::RaftMessage;
 use proto::raft::raft_peer_client::RaftPeerClient;
 use serde::Serialize;
@@ -74,13 +74,19 @@ impl PeerClient {
         Ok(self.client.clone().expect("client was just created"))
     }
 
-    async fn call<Req, Resp, E>(&mut self, rpc: &'static str, req: &Req, option: &RPCOption) -> RpcResult<Resp, E>
+    async fn call<Req, Resp, E>(
+        &mut self,
+        rpc: &'static str,
+        req: &Req,
+        option: &RPCOption,
+    ) -> RpcResult<Resp, E>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
-        let payload = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let payload =
+            serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         let mut request = tonic::Request::new(RaftMessage {
             cluster: self.cluster.clone(),
             payload,
@@ -96,9 +102,9 @@ impl PeerClient {
             Ok(r) => r.into_inner(),
             Err(status) => {
                 return Err(match status.code() {
-                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
-                        RPCError::Unreachable(Unreachable::new(&status))
-                    }
+                    tonic::Code::Unavailable
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Cancelled => RPCError::Unreachable(Unreachable::new(&status)),
                     _ => RPCError::Network(NetworkError::new(&status)),
                 });
             }

@@ -38,7 +38,10 @@ impl PeerService {
 
 #[tonic::async_trait]
 impl RaftPeer for PeerService {
-    async fn append_entries(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+    async fn append_entries(
+        &self,
+        request: Request<RaftMessage>,
+    ) -> Result<Response<RaftMessage>, Status> {
         let req = self.decode(request.get_ref())?;
         let result = self.raft.append_entries(req).await;
         self.encode(&result)
@@ -50,7 +53,10 @@ impl RaftPeer for PeerService {
         self.encode(&result)
     }
 
-    async fn install_snapshot(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+    async fn install_snapshot(
+        &self,
+        request: Request<RaftMessage>,
+    ) -> Result<Response<RaftMessage>, Status> {
         let req = self.decode(request.get_ref())?;
         let result = self.raft.install_snapshot(req).await;
         self.encode(&result)

@@ -92,7 +92,10 @@ impl StateMachineStore {
     /// Read access to the applied state. Keep the guard short and never hold it across `.await`.
     pub fn read(&self) -> RwLockReadGuard<'_, StateMachineData> {
         // A poisoned lock means an apply panicked half-way; the state cannot be trusted.
-        self.shared.data.read().expect("state machine lock poisoned")
+        self.shared
+            .data
+            .read()
+            .expect("state machine lock poisoned")
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
@@ -176,7 +179,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 match entry.payload {
                     EntryPayload::Blank => replies.push(Outcome::Done),
                     EntryPayload::Normal(request) => {
-                        let span = tracing::debug_span!("raft.apply", index, command = request.command.kind());
+                        let span = tracing::debug_span!(
+                            "raft.apply",
+                            index,
+                            command = request.command.kind()
+                        );
                         let _enter = span.enter();
                         let applied = data.cluster.apply(&request.command, request.at, index);
                         for id in applied.changed_jobs {
@@ -255,8 +262,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         else {
             return Ok(None);
         };
-        let stored: StoredSnapshot = serde_json::from_slice(&bytes)
-            .map_err(|e| StorageIOError::read_snapshot(None, &e))?;
+        let stored: StoredSnapshot =
+            serde_json::from_slice(&bytes).map_err(|e| StorageIOError::read_snapshot(None, &e))?;
         Ok(Some(Snapshot {
             meta: stored.meta,
             snapshot: Box::new(Cursor::new(stored.data)),

@@ -23,7 +23,9 @@ impl ClusterState {
                 let key = idempotency_key.as_deref().filter(|k| !k.is_empty());
                 self.submit(spec, key, at, index, &mut changed)
             }
-            Command::CancelJob { job, reason } => self.cancel(*job, reason, at, index, &mut changed),
+            Command::CancelJob { job, reason } => {
+                self.cancel(*job, reason, at, index, &mut changed)
+            }
             Command::RegisterNode { spec } => self.register_node(spec, at),
             Command::Place { term, placements } => {
                 self.place(*term, placements, at, index, &mut changed)
@@ -305,10 +307,7 @@ impl ClusterState {
             if let Some(part) = &job.spec.partition
                 && node.spec.partition.as_deref() != Some(part.as_str())
             {
-                return Err(format!(
-                    "node {} is not in partition {part}",
-                    task.node
-                ));
+                return Err(format!("node {} is not in partition {part}", task.node));
             }
             if task.gpus.len() != job.spec.gpus_per_task as usize {
                 return Err(format!(
@@ -329,7 +328,10 @@ impl ClusterState {
                     return Err(format!("GPU {uuid} is unhealthy"));
                 }
                 if !job.spec.gpu_models.is_empty() && !job.spec.gpu_models.contains(&gpu.model) {
-                    return Err(format!("GPU {uuid} is a {}, job wants {:?}", gpu.model, job.spec.gpu_models));
+                    return Err(format!(
+                        "GPU {uuid} is a {}, job wants {:?}",
+                        gpu.model, job.spec.gpu_models
+                    ));
                 }
                 if let Some(holder) = self.gpu_holder.get(uuid) {
                     return Err(format!("GPU {uuid} is already held by allocation {holder}"));

@@ -39,7 +39,9 @@ pub enum TaskOutcome {
     },
     TimedOut,
     /// The node or GPU failed under it: the job goes back to the queue.
-    Lost { reason: String },
+    Lost {
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

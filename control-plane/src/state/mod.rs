@@ -6,9 +6,9 @@
 mod apply;
 #[cfg(test)]
 mod apply_tests;
+pub mod command;
 #[cfg(test)]
 mod proptests;
-pub mod command;
 pub mod types;
 pub mod validate;
 
@@ -101,9 +101,7 @@ impl ClusterState {
             }
             for gpu in &rec.allocation.gpus {
                 if let Some(other) = derived_holder.insert(gpu.clone(), *id) {
-                    return Err(format!(
-                        "GPU {gpu} is held by allocations {other} and {id}"
-                    ));
+                    return Err(format!("GPU {gpu} is held by allocations {other} and {id}"));
                 }
             }
         }

@@ -674,7 +674,12 @@ fn check_invariants(s: &ClusterState) -> Result<(), String> {
 
 /// `after` equals `before`; `last_applied_at` may only advance to `at`, and only for a command
 /// that was accepted but had nothing to do (a retry, a plan whose placements all failed).
-fn unchanged_but_clock(before: &ClusterState, after: &ClusterState, at: Timestamp, rejected: bool) -> bool {
+fn unchanged_but_clock(
+    before: &ClusterState,
+    after: &ClusterState,
+    at: Timestamp,
+    rejected: bool,
+) -> bool {
     let mut after = after.clone();
     let clock_ok = after.last_applied_at == before.last_applied_at
         || (!rejected && after.last_applied_at == before.last_applied_at.max(at));

@@ -18,7 +18,9 @@ pub type Timestamp = u64;
 pub enum GpuHealth {
     Healthy,
     /// Unusable until it recovers or an operator uncordons it (the reason says which fault).
-    Unhealthy { reason: String },
+    Unhealthy {
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -148,7 +148,10 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
         ));
     }
     if spec.dependencies.iter().any(|d| d.job == 0) {
-        return Err(Rejection::invalid("dependencies", "job id 0 does not exist"));
+        return Err(Rejection::invalid(
+            "dependencies",
+            "job id 0 does not exist",
+        ));
     }
     let mut env_bytes = 0;
     for (k, v) in &spec.env {
@@ -259,7 +262,8 @@ mod tests {
 
     #[test]
     fn each_bad_field_is_named() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut JobSpec)>)> = vec![
+        type Mutation = Box<dyn Fn(&mut JobSpec)>;
+        let cases: Vec<(&str, Mutation)> = vec![
             ("command", Box::new(|s| s.command.clear())),
             ("command", Box::new(|s| s.command = vec!["  ".into()])),
             (
@@ -271,7 +275,10 @@ mod tests {
             ("gpus_per_task", Box::new(|s| s.gpus_per_task = 0)),
             ("tenant", Box::new(|s| s.tenant = String::new())),
             ("tenant", Box::new(|s| s.tenant = "a b".into())),
-            ("priority_class", Box::new(|s| s.priority_class = "vip".into())),
+            (
+                "priority_class",
+                Box::new(|s| s.priority_class = "vip".into()),
+            ),
             ("time_limit", Box::new(|s| s.time_limit_secs = Some(0))),
             ("partition", Box::new(|s| s.partition = Some("a/b".into()))),
             ("gpu_models", Box::new(|s| s.gpu_models = vec!["".into()])),

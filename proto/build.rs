@@ -1,6 +1,6 @@
 //! Compiles the .proto files with protox (pure Rust), so a fresh machine needs no `protoc`.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/gpucp.proto", "proto/raft.proto"];
+    let files = ["proto/gpucp.proto", "proto/raft.proto", "proto/agent.proto"];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

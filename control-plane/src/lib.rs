@@ -17,6 +17,7 @@ pub mod datadir;
 pub mod local_cluster;
 pub mod raft;
 pub mod replica;
+pub mod scheduler;
 pub mod server;
 pub mod state;
 pub mod telemetry;

@@ -10,3 +10,8 @@ pub mod v1 {
 pub mod raft {
     tonic::include_proto!("gpucp.raft.v1");
 }
+
+/// Node agents ↔ control plane (`gpucp.agent.v1`).
+pub mod agent {
+    tonic::include_proto!("gpucp.agent.v1");
+}

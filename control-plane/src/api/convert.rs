@@ -169,6 +169,9 @@ pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
         labels: node.spec.labels.clone().into_iter().collect(),
         status: node.status.as_str().to_owned(),
         registered_at_ms: node.registered_at,
+        agent_address: node.spec.agent_address.clone(),
+        driver: node.spec.driver.clone(),
+        topology: node.spec.topology.iter().map(|row| row.join(" ")).collect(),
     }
 }
 

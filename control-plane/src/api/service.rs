@@ -17,7 +17,7 @@ use super::route::route;
 use crate::raft::NodeId;
 use crate::replica::{ApiError, Replica};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
-use crate::state::{Command, JobState, Outcome, Rejection};
+use crate::state::{Command, GpuHealth, JobState, NodeStatus, Outcome, Rejection};
 
 pub struct ControlPlaneService {
     replica: Arc<Replica>,
@@ -439,6 +439,74 @@ impl ControlPlane for ControlPlaneService {
         .await
     }
 
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.DrainNode")]
+    async fn drain_node(
+        &self,
+        request: Request<pb::DrainNodeRequest>,
+    ) -> Result<Response<pb::Node>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |req| async move {
+                let command = Command::SetNodeStatus {
+                    node: req.node.clone(),
+                    status: NodeStatus::Drained,
+                    evict: req.evict,
+                    reason: req.reason,
+                };
+                node_after(r, command, &req.node).await
+            },
+            |mut c, req| async move { c.drain_node(req).await },
+        )
+        .await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.UndrainNode")]
+    async fn undrain_node(
+        &self,
+        request: Request<pb::UndrainNodeRequest>,
+    ) -> Result<Response<pb::Node>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |req| async move {
+                let command = Command::SetNodeStatus {
+                    node: req.node.clone(),
+                    status: NodeStatus::Ready,
+                    evict: false,
+                    reason: String::new(),
+                };
+                node_after(r, command, &req.node).await
+            },
+            |mut c, req| async move { c.undrain_node(req).await },
+        )
+        .await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.UncordonGpu")]
+    async fn uncordon_gpu(
+        &self,
+        request: Request<pb::UncordonGpuRequest>,
+    ) -> Result<Response<pb::Node>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |req| async move {
+                let command = Command::SetGpuHealth {
+                    node: req.node.clone(),
+                    gpu: req.gpu,
+                    health: GpuHealth::Healthy,
+                };
+                node_after(r, command, &req.node).await
+            },
+            |mut c, req| async move { c.uncordon_gpu(req).await },
+        )
+        .await
+    }
+
     async fn list_partitions(
         &self,
         request: Request<pb::ListPartitionsRequest>,
@@ -462,6 +530,21 @@ impl ControlPlane for ControlPlaneService {
             |mut c, req| async move { c.list_partitions(req).await },
         )
         .await
+    }
+}
+
+/// Applies a node command and returns the node as it is afterwards.
+async fn node_after(r: &Replica, command: Command, node: &str) -> Result<pb::Node, ApiError> {
+    match r.write(command).await? {
+        Outcome::Done => {
+            let data = r.sm.read();
+            data.cluster
+                .nodes
+                .get(node)
+                .map(|n| convert::node_to_proto(n, &data.cluster))
+                .ok_or_else(|| Rejection::not_found(format!("node {node} does not exist")).into())
+        }
+        other => Err(unexpected(other)),
     }
 }
 

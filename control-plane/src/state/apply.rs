@@ -44,6 +44,16 @@ impl ClusterState {
                 }
                 Err(r) => Outcome::Rejected(r),
             },
+            Command::SetNodeStatus {
+                node,
+                status,
+                evict,
+                reason,
+            } => self.set_node_status(node, *status, *evict, reason, at, index, &mut changed),
+            Command::NodeLost { node, reason } => {
+                self.node_lost(node, reason, at, index, &mut changed)
+            }
+            Command::SetGpuHealth { node, gpu, health } => self.set_gpu_health(node, gpu, health),
             Command::PutPartition { partition } => match validate::validate_partition(partition) {
                 Ok(()) => {
                     self.partitions
@@ -450,6 +460,12 @@ impl ClusterState {
                 state: JobState::Pending,
                 reason: format!("requeued: {reason}"),
             }),
+            // Stopped on request: the ending recorded with the request decides; a stop nobody
+            // asked for (none recorded) requeues, which never loses work.
+            TaskOutcome::Stopped => Some(Ending {
+                state: JobState::Pending,
+                reason: "requeued: task stopped".into(),
+            }),
         };
         if let Some(e) = ending
             && job.ending.is_none()
@@ -479,6 +495,126 @@ impl ClusterState {
         });
         self.transition(job_id, end.state, &end.reason, at, index);
         Outcome::Done
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn set_node_status(
+        &mut self,
+        name: &str,
+        status: NodeStatus,
+        evict: bool,
+        reason: &str,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) -> Outcome {
+        let Some(node) = self.nodes.get_mut(name) else {
+            return Outcome::Rejected(Rejection::not_found(format!("node {name} does not exist")));
+        };
+        if status == NodeStatus::Down {
+            return self.node_lost(name, reason, at, index, changed);
+        }
+        node.status = status;
+        if evict {
+            let reason = if reason.is_empty() {
+                "evicted: node drained"
+            } else {
+                reason
+            };
+            for job in self.jobs_on_node(name) {
+                self.end_job_requeue(job, reason);
+                changed.push(job);
+            }
+        }
+        Outcome::Done
+    }
+
+    /// Releases every allocation on a node whose lease expired. Only the leader's liveness loop
+    /// proposes this, after lease + grace, by which time the agent has stopped its processes.
+    fn node_lost(
+        &mut self,
+        name: &str,
+        reason: &str,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) -> Outcome {
+        let Some(node) = self.nodes.get_mut(name) else {
+            return Outcome::Rejected(Rejection::not_found(format!("node {name} does not exist")));
+        };
+        node.status = NodeStatus::Down;
+        let on_node: Vec<AllocationId> = self
+            .allocations
+            .values()
+            .filter(|r| r.allocation.node == name)
+            .map(|r| r.allocation.id)
+            .collect();
+        let reason = if reason.is_empty() {
+            "node lost"
+        } else {
+            reason
+        };
+        for id in on_node {
+            self.allocation_exited(
+                id,
+                &TaskOutcome::Lost {
+                    reason: format!("node {name}: {reason}"),
+                },
+                at,
+                index,
+                changed,
+            );
+        }
+        Outcome::Done
+    }
+
+    fn set_gpu_health(&mut self, node: &str, gpu: &str, health: &GpuHealth) -> Outcome {
+        let Some(n) = self.nodes.get_mut(node) else {
+            return Outcome::Rejected(Rejection::not_found(format!("node {node} does not exist")));
+        };
+        let Some(g) = n
+            .spec
+            .gpus
+            .iter_mut()
+            .find(|g| g.uuid == gpu || g.index.to_string() == gpu)
+        else {
+            return Outcome::Rejected(Rejection::not_found(format!(
+                "node {node} has no GPU {gpu}"
+            )));
+        };
+        // The allocation on an unhealthy GPU is not released here: the agent stops the process
+        // and reports the exit, and only then is the GPU free (never two processes on a GPU).
+        g.health = health.clone();
+        Outcome::Done
+    }
+
+    fn jobs_on_node(&self, node: &str) -> Vec<JobId> {
+        let mut jobs: Vec<JobId> = self
+            .allocations
+            .values()
+            .filter(|r| r.allocation.node == node)
+            .map(|r| r.allocation.job)
+            .collect();
+        jobs.sort_unstable();
+        jobs.dedup();
+        jobs
+    }
+
+    /// Asks every task of a running job to stop and requeues the job once they have.
+    pub(super) fn end_job_requeue(&mut self, job: JobId, reason: &str) {
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        if j.state.is_final() {
+            return;
+        }
+        if j.ending.is_none() {
+            j.ending = Some(Ending {
+                state: JobState::Pending,
+                reason: format!("requeued: {reason}"),
+            });
+        }
+        self.request_stop_of_all(job);
     }
 
     fn request_stop_of_all(&mut self, job: JobId) {

@@ -35,12 +35,16 @@ fn node(name: &str, gpus: u32, model: &str) -> NodeBuilder {
                     numa_node: Some(i / 4),
                     pci_bus_id: format!("0000:{:02x}:00.0", i + 1),
                     health: GpuHealth::Healthy,
+                    mig: Vec::new(),
                 })
                 .collect(),
             cpu_milli: 64_000,
             memory_mib: 512 * 1024,
             partition: None,
             labels: BTreeMap::new(),
+            topology: Vec::new(),
+            agent_address: String::new(),
+            driver: String::new(),
         },
     }
 }

@@ -5,7 +5,9 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{AllocationId, JobId, JobSpec, NodeSpec, Partition, Tenant, Timestamp};
+use super::types::{
+    AllocationId, GpuHealth, JobId, JobSpec, NodeSpec, NodeStatus, Partition, Tenant, Timestamp,
+};
 
 /// The Raft entry payload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,6 +44,9 @@ pub enum TaskOutcome {
     Lost {
         reason: String,
     },
+    /// Stopped because the control plane asked (cancel, eviction, another task failed): the
+    /// job's recorded ending decides what happens next.
+    Stopped,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -71,6 +76,26 @@ pub enum Command {
     },
     PutTenant {
         tenant: Tenant,
+    },
+    /// Drain (no new work; with `evict`, running work is stopped and requeued), undrain, or
+    /// mark down.
+    SetNodeStatus {
+        node: String,
+        status: NodeStatus,
+        evict: bool,
+        reason: String,
+    },
+    /// The node's lease and grace period expired: it has stopped its work (agents self-fence),
+    /// so its allocations are released and their jobs requeued.
+    NodeLost {
+        node: String,
+        reason: String,
+    },
+    /// A GPU became unhealthy (Xid, fell off the bus) or returned to service.
+    SetGpuHealth {
+        node: String,
+        gpu: String,
+        health: GpuHealth,
     },
     PutPartition {
         partition: Partition,
@@ -102,6 +127,9 @@ impl Command {
             Command::AllocationStarted { .. } => "allocation_started",
             Command::AllocationExited { .. } => "allocation_exited",
             Command::PutTenant { .. } => "put_tenant",
+            Command::SetNodeStatus { .. } => "set_node_status",
+            Command::NodeLost { .. } => "node_lost",
+            Command::SetGpuHealth { .. } => "set_gpu_health",
             Command::PutPartition { .. } => "put_partition",
         }
     }
@@ -134,6 +162,20 @@ impl fmt::Display for Command {
                 outcome,
             } => write!(f, "exited alloc={allocation} outcome={outcome:?}"),
             Command::PutTenant { tenant } => write!(f, "put tenant={}", tenant.name),
+            Command::SetNodeStatus {
+                node,
+                status,
+                evict,
+                reason,
+            } => write!(
+                f,
+                "node {node} -> {} evict={evict} reason={reason:?}",
+                status.as_str()
+            ),
+            Command::NodeLost { node, reason } => write!(f, "node {node} lost: {reason}"),
+            Command::SetGpuHealth { node, gpu, health } => {
+                write!(f, "gpu {gpu} on {node} -> {health:?}")
+            }
             Command::PutPartition { partition } => write!(f, "put partition={}", partition.name),
         }
     }

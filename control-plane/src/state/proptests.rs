@@ -61,12 +61,16 @@ fn fleet_node(k: usize) -> NodeSpec {
                 } else {
                     GpuHealth::Healthy
                 },
+                mig: Vec::new(),
             })
             .collect(),
         cpu_milli: 32_000,
         memory_mib: 256 * 1024,
         partition: partition.map(str::to_owned),
         labels: BTreeMap::new(),
+        topology: Vec::new(),
+        agent_address: String::new(),
+        driver: String::new(),
     }
 }
 

@@ -23,6 +23,15 @@ pub enum GpuHealth {
     },
 }
 
+/// A MIG slice of a GPU, with its own UUID.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigSlice {
+    pub uuid: String,
+    /// NVIDIA profile name, e.g. `1g.10gb`.
+    pub profile: String,
+    pub memory_mib: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Gpu {
     pub uuid: String,
@@ -32,6 +41,8 @@ pub struct Gpu {
     pub numa_node: Option<u32>,
     pub pci_bus_id: String,
     pub health: GpuHealth,
+    #[serde(default)]
+    pub mig: Vec<MigSlice>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,6 +72,14 @@ pub struct NodeSpec {
     pub memory_mib: u64,
     pub partition: Option<String>,
     pub labels: BTreeMap<String, String>,
+    /// Link matrix between the GPUs (cells as `nvidia-smi topo -m` prints them).
+    #[serde(default)]
+    pub topology: Vec<Vec<String>>,
+    /// Where the node's agent serves its own API (logs, fault injection).
+    #[serde(default)]
+    pub agent_address: String,
+    #[serde(default)]
+    pub driver: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

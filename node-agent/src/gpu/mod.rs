@@ -52,7 +52,11 @@ pub struct HostInventory {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum GpuEvent {
     /// An Xid error reported by the driver.
-    Xid { gpu_uuid: String, code: u32, detail: String },
+    Xid {
+        gpu_uuid: String,
+        code: u32,
+        detail: String,
+    },
     /// The GPU is no longer reachable on the PCIe bus (e.g. Xid 79).
     FellOffBus { gpu_uuid: String },
     /// The GPU works again (after a reset, or a simulated recovery).

@@ -7,7 +7,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+use crate::leader::LeaderConfig;
 use crate::raft::{NodeId, RaftTuning};
+
+fn ms(v: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(v)
+}
 
 /// Every default of a replica, in one place.
 pub struct Defaults;
@@ -26,6 +31,12 @@ impl Defaults {
     pub const ELECTION_MAX_MS: u64 = 200;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
     pub const KEEP_BEHIND_SNAPSHOT: u64 = 1_000;
+    /// Agents stop their workloads after 5 s without a successful heartbeat; the control plane
+    /// requeues a silent node's work 5 s after that (time for a fenced agent to kill them).
+    pub const NODE_LEASE_MS: u64 = 5_000;
+    pub const NODE_GRACE_MS: u64 = 5_000;
+    pub const AGENT_HEARTBEAT_MS: u64 = 1_000;
+    pub const SCHEDULE_INTERVAL_MS: u64 = 100;
     pub const LOG_FILTER: &'static str =
         "info,openraft=off,sled=warn,h2=warn,tower=warn,hyper=warn";
 }
@@ -70,6 +81,18 @@ pub struct ReplicaArgs {
     /// Build a snapshot (and purge the log behind it) every this many entries.
     #[arg(long, value_name = "ENTRIES")]
     pub snapshot_every: Option<u64>,
+    /// Node lease: an agent that cannot heartbeat for this long stops its workloads.
+    #[arg(long, value_name = "MS")]
+    pub node_lease_ms: Option<u64>,
+    /// Grace after a node's lease before its work is requeued elsewhere.
+    #[arg(long, value_name = "MS")]
+    pub node_grace_ms: Option<u64>,
+    /// How often agents heartbeat.
+    #[arg(long, value_name = "MS")]
+    pub agent_heartbeat_ms: Option<u64>,
+    /// Scheduling passes run on every change and at least this often.
+    #[arg(long, value_name = "MS")]
+    pub schedule_interval_ms: Option<u64>,
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://localhost:4317).
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
@@ -86,6 +109,7 @@ pub struct ReplicaConfig {
     pub data_dir: PathBuf,
     pub cluster: String,
     pub tuning: RaftTuning,
+    pub leader: LeaderConfig,
     pub otlp_endpoint: Option<String>,
 }
 
@@ -177,6 +201,19 @@ impl ReplicaArgs {
                 .unwrap_or(Defaults::SNAPSHOT_EVERY),
             keep_behind_snapshot: Defaults::KEEP_BEHIND_SNAPSHOT,
         };
+        let lease = self
+            .node_lease_ms
+            .or(file.node_lease_ms)
+            .unwrap_or(Defaults::NODE_LEASE_MS);
+        let heartbeat = self
+            .agent_heartbeat_ms
+            .or(file.agent_heartbeat_ms)
+            .unwrap_or(Defaults::AGENT_HEARTBEAT_MS);
+        if heartbeat == 0 || heartbeat * 2 > lease {
+            bail!(
+                "--agent-heartbeat-ms ({heartbeat}) must be positive and at most half of --node-lease-ms ({lease})"
+            );
+        }
         Ok(ReplicaConfig {
             id,
             listen,
@@ -192,6 +229,24 @@ impl ReplicaArgs {
                 .or(file.cluster)
                 .unwrap_or_else(|| Defaults::CLUSTER.to_owned()),
             tuning,
+            leader: LeaderConfig {
+                node_lease: ms(self
+                    .node_lease_ms
+                    .or(file.node_lease_ms)
+                    .unwrap_or(Defaults::NODE_LEASE_MS)),
+                node_grace: ms(self
+                    .node_grace_ms
+                    .or(file.node_grace_ms)
+                    .unwrap_or(Defaults::NODE_GRACE_MS)),
+                agent_heartbeat: ms(self
+                    .agent_heartbeat_ms
+                    .or(file.agent_heartbeat_ms)
+                    .unwrap_or(Defaults::AGENT_HEARTBEAT_MS)),
+                schedule_interval: ms(self
+                    .schedule_interval_ms
+                    .or(file.schedule_interval_ms)
+                    .unwrap_or(Defaults::SCHEDULE_INTERVAL_MS)),
+            },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
         })
     }

@@ -14,6 +14,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod datadir;
+pub mod leader;
 pub mod local_cluster;
 pub mod raft;
 pub mod replica;

@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use openraft::error::{ClientWriteError, RaftError};
-use proto::v1::control_plane_client::ControlPlaneClient;
 use tonic::transport::Channel;
 
 use crate::raft::network::lazy_channel;
@@ -39,7 +38,7 @@ pub struct Replica {
     pub sm: StateMachineStore,
     committed: Arc<AtomicU64>,
     /// Channels to the leader (by address) for forwarded calls; connections are reused.
-    leader_clients: Mutex<HashMap<String, ControlPlaneClient<Channel>>>,
+    leader_channels: Mutex<HashMap<String, Channel>>,
 }
 
 pub fn now_ms() -> u64 {
@@ -65,7 +64,7 @@ impl Replica {
             raft,
             sm,
             committed,
-            leader_clients: Mutex::new(HashMap::new()),
+            leader_channels: Mutex::new(HashMap::new()),
         }
     }
 
@@ -150,19 +149,18 @@ impl Replica {
         }
     }
 
-    pub fn leader_client(&self, addr: &str) -> Result<ControlPlaneClient<Channel>, ApiError> {
-        let mut clients = self
-            .leader_clients
+    pub fn leader_channel(&self, addr: &str) -> Result<Channel, ApiError> {
+        let mut channels = self
+            .leader_channels
             .lock()
-            .expect("client cache lock poisoned");
-        if let Some(c) = clients.get(addr) {
+            .expect("channel cache lock poisoned");
+        if let Some(c) = channels.get(addr) {
             return Ok(c.clone());
         }
         let channel = lazy_channel(addr)
             .map_err(|e| ApiError::Internal(format!("leader address {addr:?} is invalid: {e}")))?;
-        let client = ControlPlaneClient::new(channel);
-        clients.insert(addr.to_owned(), client.clone());
-        Ok(client)
+        channels.insert(addr.to_owned(), channel.clone());
+        Ok(channel)
     }
 
     /// Waits (bounded) until some leader is known; used at start-up and by membership calls.

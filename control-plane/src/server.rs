@@ -15,15 +15,17 @@ use proto::v1::control_plane_server::ControlPlaneServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
-use crate::api::{ControlPlaneService, MAX_REQUEST_BYTES};
+use crate::api::{AgentService, ControlPlaneService, MAX_REQUEST_BYTES};
 use crate::config::ReplicaConfig;
 use crate::datadir::DataDir;
+use crate::leader::Liveness;
 use crate::raft::Raft;
 use crate::raft::log_store::LogStore;
 use crate::raft::network::{PeerNetwork, lazy_channel};
 use crate::raft::peer_service::PeerService;
 use crate::raft::state_machine::StateMachineStore;
 use crate::replica::Replica;
+use proto::agent::agent_api_server::AgentApiServer;
 
 /// Raft messages can carry snapshot chunks and batches of entries.
 const MAX_PEER_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
@@ -75,11 +77,20 @@ pub async fn run(
     .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
     let api = ControlPlaneServer::new(ControlPlaneService::new(replica.clone()))
         .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let liveness = Arc::new(Liveness::default());
+    let agent_api = AgentApiServer::new(AgentService::new(
+        replica.clone(),
+        liveness.clone(),
+        config.leader.clone(),
+    ))
+    .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let leader_loops = crate::leader::spawn(replica.clone(), liveness, config.leader.clone());
     let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .trace_fn(|req| tracing::debug_span!("grpc", path = %req.uri().path()))
         .add_service(peer_service)
         .add_service(api)
+        .add_service(agent_api)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown);
     let mut server = tokio::spawn(server);
 
@@ -112,6 +123,7 @@ pub async fn run(
         None => server.await,
     };
     tracing::info!(id = config.id, "replica stopping");
+    leader_loops.abort();
     raft.shutdown().await.ok();
     served
         .context("server task panicked")?

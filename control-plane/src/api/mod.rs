@@ -1,10 +1,12 @@
 //! gRPC services for clients. Each handler is thin: convert the request, validate it, run it
 //! on this replica or forward it to the leader (`route`), convert the answer.
 
+mod agent_service;
 pub mod convert;
 pub mod route;
 mod service;
 
+pub use agent_service::{AgentService, assignments_for};
 pub use service::ControlPlaneService;
 
 /// Largest request a replica decodes; bigger messages are refused before they cost memory.

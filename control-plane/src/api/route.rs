@@ -5,7 +5,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use proto::v1::control_plane_client::ControlPlaneClient;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
@@ -53,7 +52,7 @@ where
     Req: Clone,
     L: FnOnce(Req) -> LF,
     LF: Future<Output = Result<Resp, ApiError>>,
-    R: FnOnce(ControlPlaneClient<Channel>, Request<Req>) -> RF,
+    R: FnOnce(Channel, Request<Req>) -> RF,
     RF: Future<Output = Result<Response<Resp>, Status>>,
 {
     let forwarded = request.metadata().contains_key(FORWARDED);
@@ -63,8 +62,8 @@ where
         Err(ApiError::NotLeader {
             leader: Some((leader, addr)),
         }) if !forwarded && leader != replica.id => {
-            let client = replica
-                .leader_client(&addr)
+            let channel = replica
+                .leader_channel(&addr)
                 .map_err(|e| error_status(replica, e))?;
             let mut req = Request::new(message);
             req.set_timeout(FORWARD_TIMEOUT);
@@ -77,7 +76,7 @@ where
                     .expect("a decimal number is valid metadata"),
             );
             tracing::debug!(leader, %addr, "forwarding to the leader");
-            remote(client, req).await.map_err(|s| {
+            remote(channel, req).await.map_err(|s| {
                 if s.code() == Code::Unavailable || s.code() == Code::Unknown {
                     Status::unavailable(format!(
                         "forwarding to leader {leader} at {addr} failed: {}",

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use futures::Stream;
 use openraft::ChangeMembers;
 use proto::v1 as pb;
+use proto::v1::control_plane_client::ControlPlaneClient;
 use proto::v1::control_plane_server::ControlPlane;
 use tokio::sync::broadcast::error::RecvError;
 use tokio_stream::wrappers::ReceiverStream;
@@ -95,7 +96,7 @@ impl ControlPlane for ControlPlaneService {
                     other => Err(unexpected(other)),
                 }
             },
-            |mut c, req| async move { c.submit_job(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).submit_job(req).await },
         )
         .await
     }
@@ -122,7 +123,7 @@ impl ControlPlane for ControlPlaneService {
                     other => Err(unexpected(other)),
                 }
             },
-            |mut c, req| async move { c.cancel_job(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).cancel_job(req).await },
         )
         .await
     }
@@ -146,7 +147,7 @@ impl ControlPlane for ControlPlaneService {
                         Rejection::not_found(format!("job {} does not exist", req.id)).into()
                     })
             },
-            |mut c, req| async move { c.get_job(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).get_job(req).await },
         )
         .await
     }
@@ -184,7 +185,7 @@ impl ControlPlane for ControlPlaneService {
                     .collect();
                 Ok(pb::ListJobsResponse { jobs })
             },
-            |mut c, req| async move { c.list_jobs(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).list_jobs(req).await },
         )
         .await
     }
@@ -275,7 +276,7 @@ impl ControlPlane for ControlPlaneService {
                     .collect();
                 Ok(pb::ListNodesResponse { nodes })
             },
-            |mut c, req| async move { c.list_nodes(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).list_nodes(req).await },
         )
         .await
     }
@@ -318,7 +319,7 @@ impl ControlPlane for ControlPlaneService {
                 }
                 Ok(cluster_status(r))
             },
-            |mut c, req| async move { c.add_replica(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).add_replica(req).await },
         )
         .await
     }
@@ -355,7 +356,7 @@ impl ControlPlane for ControlPlaneService {
                     .map_err(|e| membership_error(r, e))?;
                 Ok(cluster_status(r))
             },
-            |mut c, req| async move { c.remove_replica(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).remove_replica(req).await },
         )
         .await
     }
@@ -382,7 +383,7 @@ impl ControlPlane for ControlPlaneService {
                     other => Err(unexpected(other)),
                 }
             },
-            |mut c, req| async move { c.put_tenant(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).put_tenant(req).await },
         )
         .await
     }
@@ -407,7 +408,7 @@ impl ControlPlane for ControlPlaneService {
                         .collect(),
                 })
             },
-            |mut c, req| async move { c.list_tenants(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).list_tenants(req).await },
         )
         .await
     }
@@ -434,7 +435,7 @@ impl ControlPlane for ControlPlaneService {
                     other => Err(unexpected(other)),
                 }
             },
-            |mut c, req| async move { c.put_partition(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).put_partition(req).await },
         )
         .await
     }
@@ -457,7 +458,7 @@ impl ControlPlane for ControlPlaneService {
                 };
                 node_after(r, command, &req.node).await
             },
-            |mut c, req| async move { c.drain_node(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).drain_node(req).await },
         )
         .await
     }
@@ -480,7 +481,7 @@ impl ControlPlane for ControlPlaneService {
                 };
                 node_after(r, command, &req.node).await
             },
-            |mut c, req| async move { c.undrain_node(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).undrain_node(req).await },
         )
         .await
     }
@@ -502,7 +503,7 @@ impl ControlPlane for ControlPlaneService {
                 };
                 node_after(r, command, &req.node).await
             },
-            |mut c, req| async move { c.uncordon_gpu(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).uncordon_gpu(req).await },
         )
         .await
     }
@@ -527,7 +528,7 @@ impl ControlPlane for ControlPlaneService {
                         .collect(),
                 })
             },
-            |mut c, req| async move { c.list_partitions(req).await },
+            |ch, req| async move { ControlPlaneClient::new(ch).list_partitions(req).await },
         )
         .await
     }

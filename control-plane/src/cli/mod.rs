@@ -5,6 +5,7 @@
 
 mod bench;
 mod dev;
+mod node;
 pub mod output;
 pub mod parse;
 mod submit;
@@ -77,6 +78,18 @@ pub enum Command {
         #[arg(long)]
         stale: bool,
     },
+    /// Drain, undrain, uncordon GPUs, inject faults on simulated hosts.
+    Node {
+        #[command(subcommand)]
+        command: NodeCommand,
+    },
+    /// Print a job's output (stdout and stderr), fetched from the node that ran it.
+    Logs {
+        job: u64,
+        /// Only the last N bytes of each stream.
+        #[arg(long, default_value_t = 0)]
+        tail: u64,
+    },
     /// Replicas, leader, term and log indexes; add or remove replicas.
     Cluster {
         #[command(subcommand)]
@@ -141,6 +154,36 @@ pub enum ClusterCommand {
     Remove {
         #[arg(long)]
         id: u64,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum NodeCommand {
+    /// No new work on the node; with --evict, running work is stopped and requeued elsewhere.
+    Drain {
+        node: String,
+        #[arg(long)]
+        evict: bool,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Let the node take new work again.
+    Undrain { node: String },
+    /// Return an unhealthy GPU (UUID or index) to service.
+    Uncordon { node: String, gpu: String },
+    /// Simulated hosts only: inject a hardware fault on a GPU (by index).
+    Inject {
+        node: String,
+        #[arg(long)]
+        gpu: u32,
+        /// Xid error code, e.g. 79 (fell off the bus), 48 (double-bit ECC), 13 (application).
+        #[arg(long, conflicts_with_all = ["fall_off_bus", "recover"])]
+        xid: Option<u32>,
+        #[arg(long, conflicts_with = "recover")]
+        fall_off_bus: bool,
+        /// The GPU works again.
+        #[arg(long)]
+        recover: bool,
     },
 }
 
@@ -296,6 +339,8 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Cluster { command } => cluster(&mut client, command, fmt).await?,
+        Command::Node { command } => node::run(&mut client, command, fmt).await?,
+        Command::Logs { job, tail } => node::logs(&mut client, job, tail).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,
         Command::Dev(_) | Command::Replica(_) | Command::Bench { .. } => {

@@ -15,7 +15,7 @@ use openraft::{
     StoredMembership,
 };
 use serde::{Deserialize, Serialize};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 
 use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
 use crate::state::{ClusterState, Job, Outcome};
@@ -49,6 +49,8 @@ struct Shared {
     data: RwLock<StateMachineData>,
     snapshots: sled::Tree,
     events: broadcast::Sender<JobEvent>,
+    /// Last applied log index, for loops that react to any change (scheduling, assignments).
+    applied: watch::Sender<u64>,
     snapshot_seq: AtomicU64,
 }
 
@@ -79,11 +81,13 @@ impl StateMachineStore {
                 .map_err(|e| format!("the stored snapshot is inconsistent: {e}"))?;
         }
         let (events, _) = broadcast::channel(EVENT_BUFFER);
+        let (applied, _) = watch::channel(data.last_applied.map(|l| l.index).unwrap_or(0));
         Ok(StateMachineStore {
             shared: Arc::new(Shared {
                 data: RwLock::new(data),
                 snapshots,
                 events,
+                applied,
                 snapshot_seq: AtomicU64::new(0),
             }),
         })
@@ -100,6 +104,11 @@ impl StateMachineStore {
 
     pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
         self.shared.events.subscribe()
+    }
+
+    /// Changes whenever entries are applied (the value is the last applied index).
+    pub fn watch_applied(&self) -> watch::Receiver<u64> {
+        self.shared.applied.subscribe()
     }
 
     fn write_snapshot(&self, stored: &StoredSnapshot) -> Result<(), StorageError> {
@@ -167,6 +176,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     {
         let mut replies = Vec::new();
         let mut events = Vec::new();
+        let mut replies_last_index = None;
         {
             let mut data = self
                 .shared
@@ -176,6 +186,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             for entry in entries {
                 data.last_applied = Some(entry.log_id);
                 let index = entry.log_id.index;
+                replies_last_index = Some(index);
                 match entry.payload {
                     EntryPayload::Blank => replies.push(Outcome::Done),
                     EntryPayload::Normal(request) => {
@@ -202,6 +213,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     }
                 }
             }
+        }
+        if let Some(last) = replies_last_index {
+            self.shared.applied.send_replace(last);
         }
         if self.shared.events.receiver_count() > 0 {
             for e in events {
@@ -242,6 +256,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             .write()
             .expect("state machine lock poisoned") = new_data;
         tracing::info!(index, "snapshot installed");
+        self.shared.applied.send_replace(index);
         if self.shared.events.receiver_count() > 0 {
             for job in jobs {
                 let _ = self.shared.events.send(JobEvent {

@@ -1,0 +1,178 @@
+//! Loops that run only on the leader, for as long as it leads one term:
+//!
+//! - scheduling: plan on the leader's applied state (an optimistic view) and propose the plan as
+//!   one Raft entry; `apply` re-validates every placement against the committed state, so a
+//!   plan computed on a view that is a few entries old can lose placements but never double-book;
+//! - node liveness: heartbeats live in this process's memory (`Liveness`), never in the log; a
+//!   node whose agent has not been heard for lease + grace is declared lost through the log, and
+//!   every node gets a fresh lease + grace when a new leader takes over.
+//!
+//! Time limits are enforced by the agents, which own the processes.
+
+pub mod liveness;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use openraft::ServerState;
+use tokio::task::JoinHandle;
+
+use crate::replica::{ApiError, Replica};
+use crate::scheduler;
+use crate::state::{Command, NodeStatus, Outcome};
+pub use liveness::Liveness;
+
+#[derive(Debug, Clone)]
+pub struct LeaderConfig {
+    /// An agent that cannot renew its lease for this long stops its workloads.
+    pub node_lease: Duration,
+    /// Extra time the control plane waits after a lease expires before it releases the node's
+    /// GPUs, so a fenced agent has certainly stopped its processes.
+    pub node_grace: Duration,
+    /// How often agents heartbeat.
+    pub agent_heartbeat: Duration,
+    /// Scheduling passes run on every applied change, and at least this often.
+    pub schedule_interval: Duration,
+}
+
+/// Watches Raft metrics and runs the leader loops while this replica leads.
+pub fn spawn(
+    replica: Arc<Replica>,
+    liveness: Arc<Liveness>,
+    config: LeaderConfig,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut metrics = replica.raft.metrics();
+        let mut running: Option<(u64, JoinHandle<()>)> = None;
+        loop {
+            let (leading, term) = {
+                let m = metrics.borrow();
+                (m.state == ServerState::Leader, m.current_term)
+            };
+            let current = running.as_ref().map(|(t, _)| *t);
+            if !leading || current != Some(term) {
+                if let Some((t, handle)) = running.take() {
+                    handle.abort();
+                    tracing::info!(term = t, "no longer leading: leader loops stopped");
+                }
+                if leading {
+                    liveness.start_term(term);
+                    tracing::info!(term, "leading: starting scheduling and liveness loops");
+                    let loops = tokio::spawn(leader_loops(
+                        replica.clone(),
+                        liveness.clone(),
+                        config.clone(),
+                        term,
+                    ));
+                    running = Some((term, loops));
+                }
+            }
+            if metrics.changed().await.is_err() {
+                break;
+            }
+        }
+        if let Some((_, handle)) = running {
+            handle.abort();
+        }
+    })
+}
+
+async fn leader_loops(
+    replica: Arc<Replica>,
+    liveness: Arc<Liveness>,
+    config: LeaderConfig,
+    term: u64,
+) {
+    // Decide nothing before this replica has applied everything committed before its term.
+    while let Err(e) = replica.linearize().await {
+        tracing::debug!(?e, "waiting to catch up before scheduling");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut applied = replica.sm.watch_applied();
+    let mut last_pass = Instant::now() - config.schedule_interval;
+    loop {
+        tokio::select! {
+            _ = applied.changed() => {
+                // Let a burst of submissions land before planning once for all of them.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            _ = tokio::time::sleep(config.schedule_interval.saturating_sub(last_pass.elapsed())) => {}
+        }
+        last_pass = Instant::now();
+        match schedule_once(&replica, term).await {
+            Ok(false) => {}
+            Ok(true) => {
+                // Placements were proposed but none stuck (the view was stale): do not spin on
+                // the applied-index change that our own entry caused.
+                tokio::time::sleep(config.schedule_interval).await;
+            }
+            Err(ApiError::NotLeader { .. }) => return,
+            Err(e) => tracing::warn!(?e, "scheduling pass failed"),
+        }
+        if let Err(ApiError::NotLeader { .. }) = check_liveness(&replica, &liveness, &config).await
+        {
+            return;
+        }
+    }
+}
+
+/// One scheduling pass. Returns whether a plan was proposed and entirely refused.
+async fn schedule_once(replica: &Replica, term: u64) -> Result<bool, ApiError> {
+    let placements = {
+        let data = replica.sm.read();
+        scheduler::plan(&data.cluster, crate::replica::now_ms())
+    };
+    if placements.is_empty() {
+        return Ok(false);
+    }
+    let proposed = placements.len();
+    match replica.write(Command::Place { term, placements }).await? {
+        Outcome::Placed { accepted, rejected } => {
+            for (job, reason) in &rejected {
+                tracing::debug!(job, reason, "placement refused at apply");
+            }
+            tracing::debug!(proposed, accepted = accepted.len(), "scheduling pass");
+            Ok(accepted.is_empty())
+        }
+        other => {
+            tracing::warn!(?other, "unexpected outcome of a plan");
+            Ok(true)
+        }
+    }
+}
+
+/// Declares lost every node whose agent has been silent for lease + grace.
+async fn check_liveness(
+    replica: &Replica,
+    liveness: &Liveness,
+    config: &LeaderConfig,
+) -> Result<(), ApiError> {
+    let limit = config.node_lease + config.node_grace;
+    let expired: Vec<(String, Duration)> = {
+        let data = replica.sm.read();
+        data.cluster
+            .nodes
+            .values()
+            .filter(|n| n.status != NodeStatus::Down)
+            .filter_map(|n| {
+                let silent = liveness.silent_for(&n.spec.name);
+                (silent > limit).then(|| (n.spec.name.clone(), silent))
+            })
+            .collect()
+    };
+    for (node, silent) in expired {
+        tracing::warn!(
+            node,
+            silent_ms = silent.as_millis() as u64,
+            "node lease and grace expired: declaring it lost"
+        );
+        let reason = format!(
+            "no heartbeat for {:.1} s (lease {:.1} s + grace {:.1} s)",
+            silent.as_secs_f64(),
+            config.node_lease.as_secs_f64(),
+            config.node_grace.as_secs_f64()
+        );
+        replica.write(Command::NodeLost { node, reason }).await?;
+    }
+    Ok(())
+}

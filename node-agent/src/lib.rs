@@ -6,7 +6,9 @@
 //!   injection), plus the topology parser.
 //! - `health/`: Xid error classification (which faults fail a job, which make a GPU unhealthy).
 //! - `runtime/`: launching, supervising, stopping and re-adopting workload processes.
+//! - `agent/`: the main loop — register, heartbeat, follow assignments, report, self-fence.
 
+pub mod agent;
 pub mod gpu;
 pub mod health;
 pub mod runtime;

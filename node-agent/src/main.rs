@@ -1,14 +1,53 @@
-//! `node-agent`: the agent that runs on every GPU host.
+//! `node-agent`: the agent that runs on every GPU host (see `node_agent::agent`).
 //!
-//! Not built yet: GPU discovery (NVML and simulated hosts), the workload runtime, leases and
-//! Xid handling arrive with the node-agent issue. Until then this binary only says so, so that
-//! nobody mistakes it for a working agent.
+//! `node-agent shim ...` is the per-allocation supervisor the workload runtime starts; it is
+//! this same binary so a host needs only one file.
 
-fn main() {
-    eprintln!(
-        "node-agent {}: the GPU host agent is not available in this release yet; \
-         the control plane (control-plane, gpuctl) works without it",
-        env!("CARGO_PKG_VERSION")
-    );
-    std::process::exit(2);
+use std::process::ExitCode;
+
+use clap::Parser;
+use node_agent::agent::cli::{AgentArgs, run_agent_process};
+
+#[derive(Parser)]
+#[command(
+    name = "node-agent",
+    version,
+    about = "GPU host agent of gpu-control-plane"
+)]
+struct Cli {
+    #[command(flatten)]
+    agent: AgentArgs,
+}
+
+fn main() -> ExitCode {
+    let mut args = std::env::args_os().skip(1);
+    if args.next().is_some_and(|first| first == "shim") {
+        let rest: Result<Vec<String>, _> = args.map(|a| a.into_string()).collect();
+        let code = match rest {
+            Ok(rest) => node_agent::runtime::shim_main(rest),
+            Err(bad) => {
+                eprintln!("node-agent shim: argument {bad:?} is not valid UTF-8");
+                2
+            }
+        };
+        // Exit codes outside 0..=255 cannot be expressed; report a generic failure.
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
+    let cli = Cli::parse();
+    let shim = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!(
+                "node-agent: error: cannot find its own executable (used as the workload shim): {e}"
+            );
+            return ExitCode::from(1);
+        }
+    };
+    match run_agent_process(cli.agent, shim, vec!["shim".into()]) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("node-agent: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
 }

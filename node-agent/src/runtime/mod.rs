@@ -1,1 +1,34 @@
-//! Placeholder.
+//! The workload runtime: launches each allocation's command with exactly its GPUs visible,
+//! supervises it, stops it (SIGTERM, then SIGKILL after a grace), enforces its time limit,
+//! and re-adopts running processes after an agent restart, so a restart never starts a
+//! second copy (invariant 3) and two allocations never use one GPU (invariant 1).
+//!
+//! Files:
+//! - `types.rs`: the public data types ([`LaunchSpec`], [`ExitKind`], [`RuntimeEvent`],
+//!   [`StopReason`], [`RuntimeConfig`], [`RuntimeError`]);
+//! - `supervisor.rs`: [`Runtime`], the state machine over processes and records;
+//! - `shim.rs`: [`shim_main`], the per-allocation supervisor process;
+//! - `record.rs`: the on-disk layout and records, and exit classification;
+//! - `env.rs`: the command's environment ([`command_env`]) and spec validation;
+//! - `journal.rs`: the GPU usage journal and its overlap checker;
+//! - `process.rs`: `/proc`, signal and `waitpid` helpers.
+//!
+//! Process model: `agent ─spawn→ shim (session + process group leader) ─spawn→ command`.
+//! The shim outlives the agent and writes the command's exit status to an exit file; the
+//! runtime finds its processes again from per-allocation records (pid + start time).
+
+mod env;
+mod journal;
+mod process;
+mod record;
+mod shim;
+mod supervisor;
+mod types;
+
+pub use env::{DEFAULT_PATH, INHERITED_ENV, RESERVED_ENV, command_env, validate_spec};
+pub use journal::{UsageRecord, check_no_overlap, read_usage_journal};
+pub use shim::shim_main;
+pub use supervisor::Runtime;
+pub use types::{
+    DEFAULT_STOP_GRACE, ExitKind, LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason,
+};

@@ -1,0 +1,201 @@
+//! Flags of `node-agent` (and of `gpuctl agent`, which `gpuctl dev` starts for simulated hosts).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+use super::AgentConfig;
+use crate::gpu::GpuBackend;
+use crate::gpu::nvml::NvmlBackend;
+use crate::gpu::simulated::{SimulatedBackend, SimulatedSpec, preset};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentArgs {
+    /// Node name, unique in the cluster (defaults to the host name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Control-plane replicas, comma-separated; any one will do.
+    #[arg(
+        long,
+        value_name = "HOST:PORT,...",
+        default_value = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003"
+    )]
+    pub control_plane: String,
+    /// Address of this agent's own API (logs, fault injection).
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    pub listen: String,
+    /// Address the control plane and gpuctl should use for this agent (defaults to --listen).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Where running workloads, their logs and exit records live; must survive agent restarts.
+    #[arg(long, default_value = "/var/lib/gpu-node-agent")]
+    pub state_dir: PathBuf,
+    #[arg(long)]
+    pub partition: Option<String>,
+    /// Labels as KEY=VALUE (repeatable), e.g. rack=r12.
+    #[arg(long = "label", value_name = "KEY=VALUE")]
+    pub labels: Vec<String>,
+    /// Simulate a host from a preset: dgx-h100, dgx1-v100, a100-pcie-4gpu-nvlink-pairs, pcie-8gpu-2socket.
+    #[arg(long, value_name = "PRESET", conflicts_with = "simulated_topology")]
+    pub simulated: Option<String>,
+    /// Simulate a host from an `nvidia-smi topo -m` file (e.g. pasted from a real host).
+    #[arg(long, value_name = "FILE")]
+    pub simulated_topology: Option<PathBuf>,
+    /// GPU model of a --simulated-topology host.
+    #[arg(long, default_value = "NVIDIA H100 80GB HBM3")]
+    pub gpu_model: String,
+    /// GPU memory of a --simulated-topology host, MiB.
+    #[arg(long, default_value_t = 81_559)]
+    pub gpu_memory_mib: u64,
+    /// MIG layout of a simulated host: INDEX=PROFILE+PROFILE (repeatable), e.g. 0=3g.40gb+4g.40gb.
+    #[arg(long = "mig", value_name = "INDEX=PROFILES")]
+    pub mig: Vec<String>,
+    /// Seconds between SIGTERM and SIGKILL when stopping a workload.
+    #[arg(long, default_value_t = 30)]
+    pub stop_grace_secs: u64,
+}
+
+pub struct Built {
+    pub config: AgentConfig,
+    pub backend: Arc<dyn GpuBackend>,
+    pub simulated: Option<Arc<SimulatedBackend>>,
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "node".into())
+}
+
+impl AgentArgs {
+    pub fn build(self, shim_program: PathBuf, shim_args: Vec<String>) -> anyhow::Result<Built> {
+        let name = self.name.unwrap_or_else(host_name);
+        let mut labels = BTreeMap::new();
+        for kv in &self.labels {
+            let (k, v) = kv
+                .split_once('=')
+                .with_context(|| format!("--label {kv:?} is not KEY=VALUE"))?;
+            labels.insert(k.to_owned(), v.to_owned());
+        }
+        let mut mig = Vec::new();
+        for m in &self.mig {
+            let (idx, profiles) = m
+                .split_once('=')
+                .with_context(|| format!("--mig {m:?} is not INDEX=PROFILE+PROFILE"))?;
+            let idx: u32 = idx
+                .parse()
+                .with_context(|| format!("--mig {m:?}: {idx:?} is not a GPU index"))?;
+            mig.push((idx, profiles.split('+').map(str::to_owned).collect()));
+        }
+        let sim_spec: Option<SimulatedSpec> = match (&self.simulated, &self.simulated_topology) {
+            (Some(p), _) => {
+                let preset = preset(p).with_context(|| {
+                    let names: Vec<&str> = crate::gpu::simulated::PRESETS
+                        .iter()
+                        .map(|p| p.name)
+                        .collect();
+                    format!(
+                        "--simulated {p:?} is not a preset; known: {}",
+                        names.join(", ")
+                    )
+                })?;
+                Some(preset.spec(&name)?)
+            }
+            (None, Some(path)) => Some(SimulatedSpec::from_topology_file(
+                path,
+                &name,
+                &self.gpu_model,
+                self.gpu_memory_mib,
+            )?),
+            (None, None) => None,
+        };
+        let (backend, simulated): (Arc<dyn GpuBackend>, _) = match sim_spec {
+            Some(mut spec) => {
+                spec.mig = mig;
+                let sim = Arc::new(SimulatedBackend::new(spec)?);
+                (sim.clone(), Some(sim))
+            }
+            None => {
+                if !mig.is_empty() {
+                    bail!(
+                        "--mig describes simulated hosts; on a real host configure MIG with nvidia-smi"
+                    );
+                }
+                (Arc::new(NvmlBackend::new()?), None)
+            }
+        };
+        let endpoints: Vec<String> = self
+            .control_plane
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+        Ok(Built {
+            config: AgentConfig {
+                name,
+                control_plane: endpoints,
+                advertise: self.advertise.unwrap_or_else(|| self.listen.clone()),
+                listen: self.listen,
+                state_dir: self.state_dir,
+                partition: self.partition,
+                labels,
+                shim_program,
+                shim_args,
+                stop_grace: Duration::from_secs(self.stop_grace_secs),
+            },
+            backend,
+            simulated,
+        })
+    }
+}
+
+/// The whole life of an agent process: flags, logging, runtime, run until SIGTERM/Ctrl-C.
+pub fn run_agent_process(
+    args: AgentArgs,
+    shim_program: PathBuf,
+    shim_args: Vec<String>,
+) -> anyhow::Result<()> {
+    let built = args.build(shim_program, shim_args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn")
+        });
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .try_init();
+        super::run(
+            built.config,
+            built.backend,
+            built.simulated,
+            shutdown_signal(),
+        )
+        .await
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let ctrl_c = tokio::signal::ctrl_c();
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = ctrl_c.await;
+        }
+    }
+}

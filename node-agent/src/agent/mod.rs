@@ -1,0 +1,693 @@
+//! The agent's main loop: register the host, heartbeat, follow the leader's assignment
+//! stream, reconcile it against the runtime, report starts, exits and GPU faults, and fence
+//! itself (stop every workload) when its lease to the control plane expires.
+//!
+//! Tasks, each waiting on its work and on shutdown:
+//! - session: register, then heartbeat every interval; re-register when told the node is
+//!   unknown or was declared lost;
+//! - assignments: find the leader, stream the desired set, reconcile on every set;
+//! - tick (100 ms): poll the runtime (exits, stop escalation, time limits), re-run reconcile
+//!   (a launch waiting for a GPU whose old process is still stopping), check the lease;
+//! - reports: send starts and exits in order, retrying; an exit is forgotten only once the
+//!   control plane has acknowledged it, so it is reported exactly once in effect;
+//! - GPU events: classify Xids, report health, stop what ran on a failed GPU.
+
+pub mod cli;
+pub mod control;
+pub mod reconcile;
+mod service;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use proto::agent as pa;
+use tokio::sync::Notify;
+
+use crate::gpu::simulated::SimulatedBackend;
+use crate::gpu::{GpuBackend, GpuEvent, HostInventory};
+use crate::health;
+use crate::runtime::{ExitKind, LaunchSpec, Runtime, RuntimeConfig, RuntimeEvent, StopReason};
+use control::ControlPlane;
+use reconcile::{Action, Fence, reconcile};
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Node name, unique in the cluster.
+    pub name: String,
+    /// Control-plane replicas (any will do).
+    pub control_plane: Vec<String>,
+    /// Where this agent serves its own API (logs, fault injection).
+    pub listen: String,
+    /// Address the control plane and gpuctl use to reach this agent.
+    pub advertise: String,
+    pub state_dir: PathBuf,
+    pub partition: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// Program (and leading arguments) that runs the supervisor shim.
+    pub shim_program: PathBuf,
+    pub shim_args: Vec<String>,
+    /// SIGTERM → SIGKILL grace when stopping a workload.
+    pub stop_grace: Duration,
+}
+
+const TICK: Duration = Duration::from_millis(100);
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A report waiting to be acknowledged by the control plane.
+#[derive(Debug, Clone)]
+struct Report {
+    allocation_id: u64,
+    event: pa::allocation_report::Event,
+    exit_code: Option<i32>,
+    signal: i32,
+    reason: String,
+    /// An exit: forget the allocation once acknowledged.
+    exit: bool,
+}
+
+/// Why the agent stopped an allocation, so its exit is reported with the right meaning.
+#[derive(Debug, Clone)]
+enum StopCause {
+    NotAssigned,
+    Fenced,
+    /// The GPU failed under the job: requeue it elsewhere.
+    GpuFault(String),
+    /// An application error (e.g. Xid 13): the job fails, the GPU stays healthy.
+    JobFault(String),
+}
+
+struct State {
+    runtime: Runtime,
+    fence: Fence,
+    last_set: Option<pa::Assignments>,
+    finished: BTreeSet<u64>,
+    stopping: HashMap<u64, StopCause>,
+    reports: VecDeque<Report>,
+    /// When the last heartbeat that succeeded was sent; the lease counts from there.
+    lease_renewed: Option<Instant>,
+    lease: Duration,
+    fenced: bool,
+    /// job id → latest allocation id on this node (for `gpuctl logs`).
+    job_allocations: BTreeMap<u64, u64>,
+}
+
+pub struct Agent {
+    config: AgentConfig,
+    inventory: HostInventory,
+    state: Mutex<State>,
+    reports_ready: Notify,
+    simulated: Option<Arc<SimulatedBackend>>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Agent {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("agent state lock poisoned")
+    }
+
+    fn lease_file(&self) -> PathBuf {
+        self.config.state_dir.join("lease")
+    }
+
+    /// Writes the lease expiry (ms since the epoch) where the shims can read it: a shim whose
+    /// agent died or lost the control plane stops its workload when the lease passes.
+    fn publish_lease(&self, expires_at_ms: u64) {
+        let tmp = self.config.state_dir.join("lease.tmp");
+        if std::fs::write(&tmp, expires_at_ms.to_string())
+            .and_then(|_| std::fs::rename(&tmp, self.lease_file()))
+            .is_err()
+        {
+            tracing::warn!("could not write the lease file; shims may fence early");
+        }
+    }
+
+    fn registration(&self) -> pa::RegisterNodeRequest {
+        let inv = &self.inventory;
+        pa::RegisterNodeRequest {
+            name: self.config.name.clone(),
+            gpus: inv
+                .gpus
+                .iter()
+                .map(|g| pa::GpuInfo {
+                    uuid: g.uuid.clone(),
+                    index: g.index,
+                    model: g.model.clone(),
+                    memory_mib: g.memory_mib,
+                    pci_bus_id: g.pci_bus_id.clone(),
+                    numa_node: g.numa_node.map(|n| n as i32).unwrap_or(-1),
+                    mig_enabled: g.mig_enabled,
+                    mig_instances: g
+                        .mig_instances
+                        .iter()
+                        .map(|m| pa::MigInstance {
+                            uuid: m.uuid.clone(),
+                            profile: m.profile.clone(),
+                            memory_mib: m.memory_mib,
+                        })
+                        .collect(),
+                })
+                .collect(),
+            topology: inv
+                .topology
+                .links
+                .iter()
+                .map(|row| pa::LinkRow {
+                    links: row.iter().map(|l| l.to_string()).collect(),
+                })
+                .collect(),
+            cpu_milli: inv.cpu_milli,
+            memory_mib: inv.memory_mib,
+            partition: self.config.partition.clone().unwrap_or_default(),
+            labels: self.config.labels.clone().into_iter().collect(),
+            agent_address: self.config.advertise.clone(),
+            driver: inv.driver.clone(),
+        }
+    }
+
+    fn queue_report(&self, report: Report) {
+        self.lock().reports.push_back(report);
+        self.reports_ready.notify_one();
+    }
+
+    /// Applies the latest admitted assignment set (unless fenced).
+    fn reconcile_now(&self) {
+        let mut st = self.lock();
+        if st.fenced {
+            return;
+        }
+        let Some(set) = st.last_set.clone() else {
+            return;
+        };
+        let live: BTreeSet<u64> = st.runtime.live().into_iter().collect();
+        let stopping: BTreeSet<u64> = st.stopping.keys().copied().collect();
+        for action in reconcile(&set, &live, &st.finished, &stopping) {
+            match action {
+                Action::Stop(id) => {
+                    tracing::info!(allocation = id, "no longer assigned: stopping");
+                    st.stopping.insert(id, StopCause::NotAssigned);
+                    if let Err(e) = st.runtime.stop(id, StopReason::Requested) {
+                        tracing::warn!(allocation = id, error = %e, "stop failed");
+                    }
+                }
+                Action::Launch(a) => {
+                    let in_use = st.runtime.gpus_in_use();
+                    if let Some(busy) = a.gpus.iter().find(|g| in_use.contains_key(*g)) {
+                        // Its previous user is still stopping; retried on the next tick.
+                        tracing::debug!(allocation = a.allocation_id, gpu = %busy, "GPU still in use; launch deferred");
+                        continue;
+                    }
+                    let spec = LaunchSpec {
+                        allocation_id: a.allocation_id,
+                        job_id: a.job_id,
+                        job_name: a.job_name.clone(),
+                        tenant: a.tenant.clone(),
+                        command: a.command.clone(),
+                        env: a.env.clone().into_iter().collect(),
+                        gpus: a.gpus.clone(),
+                        time_limit: (a.time_limit_secs > 0)
+                            .then(|| Duration::from_secs(a.time_limit_secs)),
+                    };
+                    match st.runtime.launch(spec) {
+                        Ok(()) => {
+                            tracing::info!(allocation = a.allocation_id, job = a.job_id, gpus = ?a.gpus, "launched");
+                            st.job_allocations.insert(a.job_id, a.allocation_id);
+                        }
+                        Err(e) => {
+                            tracing::warn!(allocation = a.allocation_id, error = %e, "launch failed");
+                            st.finished.insert(a.allocation_id);
+                            st.reports.push_back(Report {
+                                allocation_id: a.allocation_id,
+                                event: pa::allocation_report::Event::Failed,
+                                exit_code: None,
+                                signal: 0,
+                                reason: format!("could not start: {e}"),
+                                exit: true,
+                            });
+                            self.reports_ready.notify_one();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops every workload: the lease to the control plane has expired.
+    fn fence(&self) {
+        let mut st = self.lock();
+        if st.fenced {
+            return;
+        }
+        st.fenced = true;
+        let live = st.runtime.live();
+        tracing::warn!(
+            running = live.len(),
+            "lease expired: fencing (stopping every workload)"
+        );
+        for id in live {
+            st.stopping.insert(id, StopCause::Fenced);
+            if let Err(e) = st.runtime.stop(id, StopReason::Fenced) {
+                tracing::warn!(allocation = id, error = %e, "stop failed");
+            }
+        }
+    }
+
+    fn tick(&self) {
+        let events = self.lock().runtime.poll();
+        for ev in events {
+            match ev {
+                RuntimeEvent::Started { allocation_id, pid } => {
+                    tracing::debug!(allocation = allocation_id, pid, "started");
+                    self.queue_report(Report {
+                        allocation_id,
+                        event: pa::allocation_report::Event::Started,
+                        exit_code: None,
+                        signal: 0,
+                        reason: String::new(),
+                        exit: false,
+                    });
+                }
+                RuntimeEvent::Exited {
+                    allocation_id,
+                    kind,
+                    ..
+                } => {
+                    let cause = {
+                        let mut st = self.lock();
+                        st.finished.insert(allocation_id);
+                        st.stopping.remove(&allocation_id)
+                    };
+                    let report = exit_report(allocation_id, &kind, cause);
+                    tracing::info!(allocation = allocation_id, ?kind, event = ?report.event, "exited");
+                    self.queue_report(report);
+                }
+            }
+        }
+        let expired = {
+            let st = self.lock();
+            !st.fenced && st.lease_renewed.is_some_and(|t| t.elapsed() > st.lease)
+        };
+        if expired {
+            self.fence();
+        }
+        self.reconcile_now();
+    }
+
+    fn on_gpu_event(&self, event: GpuEvent) -> Option<pa::GpuHealthReport> {
+        let verdict = health::gpu_health_after(&event);
+        let uuid = match &event {
+            GpuEvent::Xid { gpu_uuid, .. }
+            | GpuEvent::FellOffBus { gpu_uuid }
+            | GpuEvent::Recovered { gpu_uuid } => gpu_uuid.clone(),
+        };
+        tracing::warn!(gpu = %uuid, ?event, ?verdict, "GPU event");
+        let holder = self.lock().runtime.gpus_in_use().get(&uuid).copied();
+        if let Some(id) = holder
+            && (verdict.job_fails || verdict.gpu_unhealthy)
+        {
+            let cause = if verdict.gpu_unhealthy {
+                StopCause::GpuFault(verdict.reason.clone())
+            } else {
+                StopCause::JobFault(verdict.reason.clone())
+            };
+            let mut st = self.lock();
+            st.stopping.insert(id, cause);
+            if let Err(e) = st.runtime.stop(id, StopReason::GpuFault) {
+                tracing::warn!(allocation = id, error = %e, "stop failed");
+            }
+        }
+        let xid = match &event {
+            GpuEvent::Xid { code, .. } => *code,
+            _ => 0,
+        };
+        match &event {
+            GpuEvent::Recovered { .. } => Some(pa::GpuHealthReport {
+                node: self.config.name.clone(),
+                gpu_uuid: uuid,
+                healthy: true,
+                reason: verdict.reason,
+                xid,
+            }),
+            _ if verdict.gpu_unhealthy => Some(pa::GpuHealthReport {
+                node: self.config.name.clone(),
+                gpu_uuid: uuid,
+                healthy: false,
+                reason: verdict.reason,
+                xid,
+            }),
+            _ => None,
+        }
+    }
+}
+
+fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) -> Report {
+    use pa::allocation_report::Event;
+    let mut r = Report {
+        allocation_id,
+        event: Event::Failed,
+        exit_code: None,
+        signal: 0,
+        reason: String::new(),
+        exit: true,
+    };
+    match (kind, cause) {
+        (ExitKind::Exited { code: 0 }, None) => r.event = Event::Succeeded,
+        (ExitKind::Exited { code }, None) => {
+            r.exit_code = Some(*code);
+            r.reason = format!("exited with code {code}");
+        }
+        (ExitKind::Signaled { signal }, None) => {
+            r.signal = *signal;
+            r.reason = format!("killed by signal {signal}");
+        }
+        (ExitKind::TimedOut, _) => r.event = Event::TimedOut,
+        (_, Some(StopCause::JobFault(reason))) => r.reason = reason,
+        (_, Some(StopCause::GpuFault(reason))) => {
+            r.event = Event::Lost;
+            r.reason = reason;
+        }
+        (_, Some(StopCause::Fenced)) => {
+            r.event = Event::Lost;
+            r.reason = "the agent lost its lease to the control plane and stopped the job".into();
+        }
+        (_, Some(StopCause::NotAssigned)) | (ExitKind::Stopped, None) => r.event = Event::Stopped,
+        (ExitKind::Vanished { reason }, None) => {
+            r.event = Event::Lost;
+            r.reason = format!("process vanished: {reason}");
+        }
+    }
+    r
+}
+
+/// Runs the agent until `shutdown` resolves. Workloads keep running across an agent restart.
+pub async fn run(
+    config: AgentConfig,
+    backend: Arc<dyn GpuBackend>,
+    simulated: Option<Arc<SimulatedBackend>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&config.state_dir)
+        .with_context(|| format!("creating state directory {}", config.state_dir.display()))?;
+    let inventory = backend.inventory().context("discovering GPUs")?;
+    tracing::info!(node = %config.name, gpus = inventory.gpus.len(), driver = %inventory.driver, "GPU inventory");
+    let runtime = Runtime::open(RuntimeConfig {
+        state_dir: config.state_dir.join("runtime"),
+        shim_program: config.shim_program.clone(),
+        shim_args: config.shim_args.clone(),
+        stop_grace: config.stop_grace,
+        lease_file: Some(config.state_dir.join("lease")),
+    })
+    .context("opening the workload runtime")?;
+    let readopted = runtime.live();
+    if !readopted.is_empty() {
+        tracing::info!(allocations = ?readopted, "re-adopted running workloads");
+    }
+    let listener = tokio::net::TcpListener::bind(&config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let agent = Arc::new(Agent {
+        inventory,
+        state: Mutex::new(State {
+            runtime,
+            fence: Fence::default(),
+            last_set: None,
+            finished: BTreeSet::new(),
+            stopping: HashMap::new(),
+            reports: VecDeque::new(),
+            lease_renewed: None,
+            lease: Duration::from_secs(5),
+            fenced: false,
+            job_allocations: load_job_index(&config.state_dir),
+        }),
+        reports_ready: Notify::new(),
+        simulated,
+        config,
+    });
+    let control = ControlPlane::new(&agent.config.control_plane)?;
+
+    let server = tonic::transport::Server::builder()
+        .add_service(proto::agent::node_agent_server::NodeAgentServer::new(
+            service::NodeAgentService::new(agent.clone()),
+        ))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        );
+
+    let tasks = vec![
+        tokio::spawn(session_loop(agent.clone(), control.clone())),
+        tokio::spawn(assignment_loop(agent.clone(), control.clone())),
+        tokio::spawn(tick_loop(agent.clone())),
+        tokio::spawn(report_loop(agent.clone(), control.clone())),
+        tokio::spawn(gpu_event_loop(agent.clone(), backend, control)),
+    ];
+    let served = server.await;
+    for t in tasks {
+        t.abort();
+    }
+    save_job_index(&agent.config.state_dir, &agent.lock().job_allocations);
+    tracing::info!("agent stopping; workloads keep running under their shims");
+    served.context("serving the agent API")?;
+    Ok(())
+}
+
+fn load_job_index(dir: &std::path::Path) -> BTreeMap<u64, u64> {
+    std::fs::read(dir.join("jobs.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+fn save_job_index(dir: &std::path::Path, index: &BTreeMap<u64, u64>) {
+    if let Ok(bytes) = serde_json::to_vec(index) {
+        let tmp = dir.join("jobs.json.tmp");
+        let _ =
+            std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, dir.join("jobs.json")));
+    }
+}
+
+async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        // Register (again): first start, unknown to a new leader, or declared lost.
+        let reg = agent.registration();
+        let resp = control
+            .call(CALL_TIMEOUT, |mut c| {
+                let reg = reg.clone();
+                async move { c.register_node(reg).await }
+            })
+            .await;
+        let resp = match resp {
+            Ok(r) => r,
+            Err(s) => {
+                tracing::warn!(code = ?s.code(), message = s.message(), "registration failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        let lease = Duration::from_millis(resp.lease_ms.max(1));
+        let interval = Duration::from_millis(resp.heartbeat_interval_ms.max(10));
+        {
+            let mut st = agent.lock();
+            st.lease = lease;
+            st.lease_renewed = Some(Instant::now());
+            st.fenced = false;
+        }
+        agent.publish_lease(now_ms() + lease.as_millis() as u64);
+        tracing::info!(node = %agent.config.name, lease_ms = resp.lease_ms, term = resp.term, "registered");
+        loop {
+            tokio::time::sleep(interval).await;
+            let sent_at = Instant::now();
+            let sent_at_ms = now_ms();
+            let running = agent.lock().runtime.live();
+            let hb = pa::HeartbeatRequest {
+                node: agent.config.name.clone(),
+                running,
+            };
+            match control
+                .call(interval.max(Duration::from_millis(200)), |mut c| {
+                    let hb = hb.clone();
+                    async move { c.heartbeat(hb).await }
+                })
+                .await
+            {
+                Ok(_) => {
+                    let mut st = agent.lock();
+                    st.lease_renewed = Some(sent_at);
+                    if st.fenced {
+                        tracing::info!("lease renewed after fencing");
+                        st.fenced = false;
+                    }
+                    drop(st);
+                    agent.publish_lease(sent_at_ms + lease.as_millis() as u64);
+                }
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        tonic::Code::NotFound | tonic::Code::FailedPrecondition
+                    ) =>
+                {
+                    tracing::warn!(
+                        message = s.message(),
+                        "the control plane does not know this node; re-registering"
+                    );
+                    break;
+                }
+                Err(s) => {
+                    tracing::debug!(code = ?s.code(), message = s.message(), "heartbeat failed")
+                }
+            }
+        }
+    }
+}
+
+async fn assignment_loop(agent: Arc<Agent>, control: ControlPlane) {
+    loop {
+        for (endpoint, mut client) in control.rotation() {
+            let req = pa::WatchAssignmentsRequest {
+                node: agent.config.name.clone(),
+            };
+            let mut stream = match client.watch_assignments(req).await {
+                Ok(s) => s.into_inner(),
+                Err(s) => {
+                    tracing::debug!(%endpoint, message = s.message(), "no assignment stream here");
+                    continue;
+                }
+            };
+            tracing::info!(%endpoint, "following assignments");
+            loop {
+                match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
+                    Ok(Ok(Some(set))) => {
+                        let admitted = {
+                            let mut st = agent.lock();
+                            let ok = st.fence.admit(&set);
+                            if ok {
+                                st.last_set = Some(set);
+                            }
+                            ok
+                        };
+                        if admitted {
+                            agent.reconcile_now();
+                        } else {
+                            tracing::warn!(%endpoint, "ignored assignments from an older leader");
+                        }
+                    }
+                    Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn tick_loop(agent: Arc<Agent>) {
+    let mut tick = tokio::time::interval(TICK);
+    loop {
+        tick.tick().await;
+        let a = agent.clone();
+        // The runtime reads /proc and files: keep it off the async workers.
+        if tokio::task::spawn_blocking(move || a.tick()).await.is_err() {
+            tracing::error!("runtime tick panicked");
+        }
+    }
+}
+
+async fn report_loop(agent: Arc<Agent>, mut control: ControlPlane) {
+    loop {
+        let next = agent.lock().reports.front().cloned();
+        let Some(report) = next else {
+            agent.reports_ready.notified().await;
+            continue;
+        };
+        let req = pa::AllocationReport {
+            node: agent.config.name.clone(),
+            allocation_id: report.allocation_id,
+            event: report.event as i32,
+            exit_code: report.exit_code.unwrap_or(0),
+            has_exit_code: report.exit_code.is_some(),
+            signal: report.signal,
+            reason: report.reason.clone(),
+        };
+        match control
+            .call(CALL_TIMEOUT, |mut c| {
+                let req = req.clone();
+                async move { c.report_allocation(req).await }
+            })
+            .await
+        {
+            Ok(_) => {
+                let mut st = agent.lock();
+                st.reports.pop_front();
+                if report.exit
+                    && let Err(e) = st.runtime.forget(report.allocation_id)
+                {
+                    tracing::warn!(allocation = report.allocation_id, error = %e, "forgetting a reported exit failed");
+                }
+            }
+            Err(s) => {
+                tracing::debug!(code = ?s.code(), message = s.message(), "report failed; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+async fn gpu_event_loop(
+    agent: Arc<Agent>,
+    backend: Arc<dyn GpuBackend>,
+    mut control: ControlPlane,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    std::thread::spawn(move || {
+        loop {
+            match backend.next_event(Duration::from_millis(500)) {
+                Ok(Some(ev)) => {
+                    if tx.blocking_send(ev).is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => {
+                    if tx.is_closed() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "reading GPU events failed; retrying in 5 s");
+                    std::thread::sleep(Duration::from_secs(5));
+                }
+            }
+        }
+    });
+    while let Some(ev) = rx.recv().await {
+        let Some(report) = agent.on_gpu_event(ev) else {
+            continue;
+        };
+        loop {
+            let r = report.clone();
+            match control
+                .call(CALL_TIMEOUT, |mut c| {
+                    let r = r.clone();
+                    async move { c.report_gpu_health(r).await }
+                })
+                .await
+            {
+                Ok(_) => break,
+                Err(s) => {
+                    tracing::debug!(message = s.message(), "GPU health report failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! Desired (from the leader) against running (from the runtime), both ways: what to launch and
+//! what to stop. Pure, so every rule is table-tested.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proto::agent::{Assignment, Assignments};
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    Launch(Assignment),
+    Stop(u64),
+}
+
+/// Fencing state: the highest term an assignment set came from.
+#[derive(Debug, Default, Clone)]
+pub struct Fence {
+    pub term: u64,
+}
+
+impl Fence {
+    /// Whether a set may be acted on: never one from an older leader than one already obeyed.
+    pub fn admit(&mut self, set: &Assignments) -> bool {
+        if set.term < self.term {
+            return false;
+        }
+        self.term = set.term;
+        true
+    }
+}
+
+/// `live`: allocations whose processes run (or are stopping). `finished`: allocations that ran
+/// on this node and ended; they are never started again, even if a set computed before their
+/// exit report still lists them. `stopping`: allocations already being stopped.
+pub fn reconcile(
+    desired: &Assignments,
+    live: &BTreeSet<u64>,
+    finished: &BTreeSet<u64>,
+    stopping: &BTreeSet<u64>,
+) -> Vec<Action> {
+    let wanted: BTreeMap<u64, &Assignment> = desired
+        .allocations
+        .iter()
+        .map(|a| (a.allocation_id, a))
+        .collect();
+    let mut actions = Vec::new();
+    for id in live {
+        if !wanted.contains_key(id) && !stopping.contains(id) {
+            actions.push(Action::Stop(*id));
+        }
+    }
+    for (id, a) in &wanted {
+        if !live.contains(id) && !finished.contains(id) {
+            actions.push(Action::Launch((*a).clone()));
+        }
+    }
+    actions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(term: u64, ids: &[u64]) -> Assignments {
+        Assignments {
+            term,
+            epoch: ids.iter().copied().max().unwrap_or(0),
+            allocations: ids
+                .iter()
+                .map(|id| Assignment {
+                    allocation_id: *id,
+                    job_id: *id * 10,
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    }
+
+    fn ids(v: &[u64]) -> BTreeSet<u64> {
+        v.iter().copied().collect()
+    }
+
+    #[test]
+    fn launches_what_is_missing_and_stops_what_is_not_wanted() {
+        let actions = reconcile(&set(1, &[1, 2]), &ids(&[2, 3]), &ids(&[]), &ids(&[]));
+        assert_eq!(actions.len(), 2);
+        assert!(actions.contains(&Action::Stop(3)));
+        assert!(matches!(&actions[1], Action::Launch(a) if a.allocation_id == 1));
+    }
+
+    #[test]
+    fn a_finished_allocation_is_never_started_again() {
+        assert!(reconcile(&set(1, &[4]), &ids(&[]), &ids(&[4]), &ids(&[])).is_empty());
+    }
+
+    #[test]
+    fn a_stop_already_under_way_is_not_repeated() {
+        assert!(reconcile(&set(1, &[]), &ids(&[5]), &ids(&[]), &ids(&[5])).is_empty());
+    }
+
+    #[test]
+    fn sets_from_an_older_term_are_ignored() {
+        let mut f = Fence::default();
+        assert!(f.admit(&set(3, &[1])));
+        assert!(!f.admit(&set(2, &[])));
+        assert!(f.admit(&set(3, &[])));
+        assert!(f.admit(&set(4, &[])));
+        assert_eq!(f.term, 4);
+    }
+}

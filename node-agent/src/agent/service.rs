@@ -1,0 +1,117 @@
+//! The agent's own gRPC API: job logs for `gpuctl logs`, and fault injection on simulated
+//! hosts for tests and chaos runs.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::sync::Arc;
+
+use proto::agent as pa;
+use proto::agent::node_agent_server::NodeAgent;
+use tonic::{Request, Response, Status};
+
+use super::Agent;
+use crate::gpu::GpuEvent;
+
+/// Most bytes of each stream one ReadLogs returns.
+const MAX_LOG_BYTES: u64 = 1024 * 1024;
+
+pub struct NodeAgentService {
+    agent: Arc<Agent>,
+}
+
+impl NodeAgentService {
+    pub fn new(agent: Arc<Agent>) -> Self {
+        NodeAgentService { agent }
+    }
+}
+
+fn tail(path: &std::path::Path, bytes: u64) -> Result<Vec<u8>, Status> {
+    let mut f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Status::internal(format!("reading {}: {e}", path.display()))),
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let want = if bytes == 0 {
+        MAX_LOG_BYTES
+    } else {
+        bytes.min(MAX_LOG_BYTES)
+    };
+    f.seek(SeekFrom::Start(len.saturating_sub(want)))
+        .map_err(|e| Status::internal(e.to_string()))?;
+    let mut out = Vec::new();
+    f.read_to_end(&mut out)
+        .map_err(|e| Status::internal(e.to_string()))?;
+    Ok(out)
+}
+
+#[tonic::async_trait]
+impl NodeAgent for NodeAgentService {
+    async fn read_logs(
+        &self,
+        request: Request<pa::ReadLogsRequest>,
+    ) -> Result<Response<pa::ReadLogsResponse>, Status> {
+        let req = request.into_inner();
+        let (allocation, paths) = {
+            let st = self.agent.lock();
+            let Some(alloc) = st.job_allocations.get(&req.job_id).copied() else {
+                return Err(Status::not_found(format!(
+                    "job {} has not run on node {}",
+                    req.job_id, self.agent.config.name
+                )));
+            };
+            (alloc, st.runtime.log_paths(alloc))
+        };
+        Ok(Response::new(pa::ReadLogsResponse {
+            stdout: tail(&paths.0, req.tail_bytes)?,
+            stderr: tail(&paths.1, req.tail_bytes)?,
+            allocation_id: allocation,
+        }))
+    }
+
+    async fn inject_fault(
+        &self,
+        request: Request<pa::InjectFaultRequest>,
+    ) -> Result<Response<pa::InjectFaultResponse>, Status> {
+        let Some(sim) = &self.agent.simulated else {
+            return Err(Status::failed_precondition(format!(
+                "node {} runs real GPUs; faults can only be injected on simulated hosts",
+                self.agent.config.name
+            )));
+        };
+        let req = request.into_inner();
+        let gpu = self
+            .agent
+            .inventory
+            .gpus
+            .iter()
+            .find(|g| g.index == req.gpu_index)
+            .ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "gpu_index: this host has no GPU {}",
+                    req.gpu_index
+                ))
+            })?;
+        let gpu_uuid = gpu.uuid.clone();
+        let event = match req.fault {
+            Some(pa::inject_fault_request::Fault::Xid(code)) => GpuEvent::Xid {
+                gpu_uuid: gpu_uuid.clone(),
+                code,
+                detail: format!("injected Xid {code}"),
+            },
+            Some(pa::inject_fault_request::Fault::FallOffBus(_)) => GpuEvent::FellOffBus {
+                gpu_uuid: gpu_uuid.clone(),
+            },
+            Some(pa::inject_fault_request::Fault::Recover(_)) => GpuEvent::Recovered {
+                gpu_uuid: gpu_uuid.clone(),
+            },
+            None => {
+                return Err(Status::invalid_argument(
+                    "fault: give an xid, fall_off_bus or recover",
+                ));
+            }
+        };
+        sim.inject(event)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(Response::new(pa::InjectFaultResponse { gpu_uuid }))
+    }
+}

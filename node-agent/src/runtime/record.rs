@@ -1,0 +1,510 @@
+//! What the runtime keeps on disk and how it reads it back: the state-directory layout, the
+//! per-allocation record, the exit file the shim writes, atomic writes, and the rule that
+//! turns "what is left on disk and in /proc" into an [`ExitKind`] ([`classify`]).
+//!
+//! Layout under `state_dir`:
+//! ```text
+//! runtime.lock                     flock held by the one runtime using this directory
+//! allocations/<id>.json            AllocationRecord (runtime-owned)
+//! allocations/<id>.exit.json       ShimExitRecord (shim-owned; written once, atomically)
+//! logs/<id>/stdout, logs/<id>/stderr
+//! gpu-usage.jsonl                  GPU usage journal (journal.rs)
+//! ```
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::process::WaitStatus;
+use super::types::{ExitKind, LaunchSpec, RuntimeError, StopReason};
+
+/// Version of [`AllocationRecord`]'s format; an agent refuses records it does not know
+/// rather than misreading what a newer agent wrote.
+pub(crate) const RECORD_FORMAT: u32 = 1;
+
+/// Paths inside the state directory, in one place.
+#[derive(Debug, Clone)]
+pub(crate) struct Layout {
+    root: PathBuf,
+}
+
+impl Layout {
+    pub(crate) fn new(root: PathBuf) -> Layout {
+        Layout { root }
+    }
+    pub(crate) fn root(&self) -> &Path {
+        &self.root
+    }
+    pub(crate) fn lock(&self) -> PathBuf {
+        self.root.join("runtime.lock")
+    }
+    pub(crate) fn records_dir(&self) -> PathBuf {
+        self.root.join("allocations")
+    }
+    pub(crate) fn record(&self, id: u64) -> PathBuf {
+        self.records_dir().join(format!("{id}.json"))
+    }
+    pub(crate) fn exit_file(&self, id: u64) -> PathBuf {
+        self.records_dir().join(format!("{id}.exit.json"))
+    }
+    pub(crate) fn log_dir(&self, id: u64) -> PathBuf {
+        self.root.join("logs").join(id.to_string())
+    }
+    pub(crate) fn stdout_log(&self, id: u64) -> PathBuf {
+        self.log_dir(id).join("stdout")
+    }
+    pub(crate) fn stderr_log(&self, id: u64) -> PathBuf {
+        self.log_dir(id).join("stderr")
+    }
+    pub(crate) fn journal(&self) -> PathBuf {
+        self.root.join("gpu-usage.jsonl")
+    }
+
+    pub(crate) fn create_dirs(&self) -> Result<(), RuntimeError> {
+        for dir in [self.records_dir(), self.root.join("logs")] {
+            fs::create_dir_all(&dir).map_err(|source| RuntimeError::Io {
+                action: "create state directory",
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// A stop the runtime started: when SIGTERM went out and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct StopRequest {
+    pub reason: StopReason,
+    pub term_sent_at_ms: u64,
+}
+
+/// An exit the runtime has observed and reported (until `forget`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RecordedExit {
+    pub kind: ExitKind,
+    pub at_ms: u64,
+}
+
+/// Everything the runtime must remember about one allocation across agent restarts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct AllocationRecord {
+    pub format: u32,
+    pub spec: LaunchSpec,
+    /// `None` while launching: the record is written before the shim is spawned, so a crash
+    /// in between leaves a trace (and the shim never runs the command without this field
+    /// persisted; see the go handshake in `shim.rs`).
+    pub shim_pid: Option<u32>,
+    /// `/proc/<pid>/stat` field 22 (start time in clock ticks since boot) of the shim, to
+    /// tell our shim from an unrelated process that later got the same pid.
+    pub shim_start_ticks: Option<u64>,
+    /// When the command was released to run (wall clock, ms since the epoch); the time limit
+    /// counts from here.
+    pub started_at_ms: u64,
+    pub stop: Option<StopRequest>,
+    pub kill_sent_at_ms: Option<u64>,
+    pub exit: Option<RecordedExit>,
+}
+
+impl AllocationRecord {
+    pub(crate) fn launching(spec: LaunchSpec, now_ms: u64) -> AllocationRecord {
+        AllocationRecord {
+            format: RECORD_FORMAT,
+            spec,
+            shim_pid: None,
+            shim_start_ticks: None,
+            started_at_ms: now_ms,
+            stop: None,
+            kill_sent_at_ms: None,
+            exit: None,
+        }
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.spec.allocation_id
+    }
+
+    /// Still running (or being stopped) as far as the runtime knows.
+    pub(crate) fn is_live(&self) -> bool {
+        self.exit.is_none()
+    }
+}
+
+/// How the shim's child ended, as the shim saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub(crate) enum ChildStatus {
+    Exited { code: i32 },
+    Signaled { signal: i32 },
+}
+
+/// The exit file: `{"status":"exited","code":0,"at_ms":...}` or
+/// `{"status":"signaled","signal":9,"at_ms":...}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ShimExitRecord {
+    #[serde(flatten)]
+    pub status: ChildStatus,
+    pub at_ms: u64,
+    /// The shim stopped the command itself because the agent's lease expired.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fenced: bool,
+}
+
+/// Writes `bytes` to `path` so that readers see either the old content or all of the new:
+/// write a temporary file in the same directory, fsync it, rename it over `path`, fsync the
+/// directory (so the rename itself survives a power loss).
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let mut tmp_name = name.to_os_string();
+    tmp_name.push(format!(".tmp.{}", std::process::id()));
+    let tmp = dir.join(tmp_name);
+    let result = (|| {
+        // 0600: records hold the job's environment, which may carry tokens.
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        fs::rename(&tmp, path)?;
+        sync_dir(dir)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+pub(crate) fn store_record(layout: &Layout, record: &AllocationRecord) -> Result<(), RuntimeError> {
+    let path = layout.record(record.id());
+    let bytes = serde_json::to_vec_pretty(record).map_err(|e| RuntimeError::Io {
+        action: "encode state record",
+        path: path.clone(),
+        source: io::Error::other(e),
+    })?;
+    write_atomic(&path, &bytes).map_err(|source| RuntimeError::Io {
+        action: "write state record",
+        path,
+        source,
+    })
+}
+
+/// Removes a file that may already be gone (forget is idempotent).
+pub(crate) fn remove_if_present(path: &Path) -> Result<(), RuntimeError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(RuntimeError::Io {
+            action: "remove",
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Loads every allocation record. A record that cannot be read fails the whole load: the
+/// runtime would otherwise lose track of a process that may still run and could later start
+/// the same allocation twice (invariant 3), so a person has to look at it.
+pub(crate) fn load_records(layout: &Layout) -> Result<Vec<AllocationRecord>, RuntimeError> {
+    let dir = layout.records_dir();
+    let entries = fs::read_dir(&dir).map_err(|source| RuntimeError::Io {
+        action: "list state records in",
+        path: dir.clone(),
+        source,
+    })?;
+    let mut records = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| RuntimeError::Io {
+            action: "list state records in",
+            path: dir.clone(),
+            source,
+        })?;
+        let path = entry.path();
+        let Some(id) = record_id(&path) else {
+            // Exit files, temporary files of interrupted writes, anything else.
+            continue;
+        };
+        let corrupt = |message: String| RuntimeError::CorruptRecord {
+            path: path.clone(),
+            message,
+        };
+        let bytes = fs::read(&path).map_err(|source| RuntimeError::Io {
+            action: "read state record",
+            path: path.clone(),
+            source,
+        })?;
+        let record: AllocationRecord =
+            serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+        if record.format != RECORD_FORMAT {
+            return Err(corrupt(format!(
+                "format {} is not the supported format {RECORD_FORMAT} (written by another \
+                 node-agent version?)",
+                record.format
+            )));
+        }
+        if record.id() != id {
+            return Err(corrupt(format!(
+                "the file name says allocation {id} but the record is for allocation {}",
+                record.id()
+            )));
+        }
+        records.push(record);
+    }
+    records.sort_by_key(AllocationRecord::id);
+    Ok(records)
+}
+
+/// `allocations/<digits>.json` → the id; anything else → `None`.
+fn record_id(path: &Path) -> Option<u64> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(".json")?;
+    if stem.is_empty() || !stem.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    stem.parse().ok()
+}
+
+/// Reads the shim's exit file. `Ok(None)`: not written (yet). `Err`: present but
+/// unreadable, which should not happen since the shim renames a complete file into place.
+pub(crate) fn read_exit_file(path: &Path) -> Result<Option<ShimExitRecord>, String> {
+    match fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| format!("exit file {} is unreadable: {e}", path.display())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("exit file {} is unreadable: {e}", path.display())),
+    }
+}
+
+/// What the runtime learnt about the shim process once it stopped running.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ShimFate {
+    /// The agent stopped between writing the launch record and recording the shim's pid;
+    /// the shim never received the go-ahead, so the command never ran.
+    NeverReleased,
+    /// The shim was our child and we reaped it with this status.
+    Reaped(WaitStatus),
+    /// The shim is gone and was not our child (re-adopted after a restart), so its status
+    /// is unknown.
+    Gone,
+    /// The shim's pid now belongs to an unrelated process.
+    PidReused,
+    /// The exit file exists but could not be read.
+    UnreadableExitFile(String),
+}
+
+/// Turns what is left of an allocation into its [`ExitKind`]. The runtime's own intent wins
+/// (a time limit it enforced → `TimedOut`, a stop it was asked for → `Stopped`), because the
+/// control plane needs the *reason* (requeue, charge, notify) and the process's own status
+/// is then just the effect of our signal. Otherwise the shim's exit file is the truth; with
+/// no exit file the process vanished, unless the runtime itself had sent SIGKILL.
+pub(crate) fn classify(
+    record: &AllocationRecord,
+    exit: Option<&ShimExitRecord>,
+    fate: &ShimFate,
+) -> ExitKind {
+    if let Some(stop) = &record.stop {
+        return match stop.reason {
+            StopReason::TimeLimit => ExitKind::TimedOut,
+            _ => ExitKind::Stopped,
+        };
+    }
+    if let Some(exit) = exit {
+        if exit.fenced {
+            return ExitKind::Vanished {
+                reason: "its supervisor stopped it because the agent's lease to the control plane expired".into(),
+            };
+        }
+        return match exit.status {
+            ChildStatus::Exited { code } => ExitKind::Exited { code },
+            ChildStatus::Signaled { signal } => ExitKind::Signaled { signal },
+        };
+    }
+    if record.kill_sent_at_ms.is_some() {
+        return ExitKind::Signaled {
+            signal: libc::SIGKILL,
+        };
+    }
+    let pid = record
+        .shim_pid
+        .map_or_else(|| "?".to_string(), |p| p.to_string());
+    let reason = match fate {
+        ShimFate::NeverReleased => {
+            "the agent stopped while launching the allocation; the command was never started"
+                .to_string()
+        }
+        ShimFate::Reaped(WaitStatus::Signaled(signal)) => format!(
+            "the supervisor shim (pid {pid}) was killed by signal {signal} before it could \
+             record how the command ended"
+        ),
+        ShimFate::Reaped(WaitStatus::Exited(code)) => format!(
+            "the supervisor shim (pid {pid}) exited with code {code} without recording how \
+             the command ended; see the allocation's stderr log"
+        ),
+        ShimFate::Gone => format!(
+            "the supervisor shim (pid {pid}) is gone and left no exit record (killed together \
+             with its command, or the host rebooted)"
+        ),
+        ShimFate::PidReused => format!(
+            "the supervisor shim (pid {pid}) is gone (the pid now belongs to another process) \
+             and left no exit record"
+        ),
+        ShimFate::UnreadableExitFile(message) => message.clone(),
+    };
+    ExitKind::Vanished { reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use super::*;
+
+    fn record() -> AllocationRecord {
+        let spec = LaunchSpec {
+            allocation_id: 12,
+            job_id: 3,
+            job_name: "j".to_string(),
+            tenant: "t".to_string(),
+            command: vec!["sleep".to_string(), "1".to_string()],
+            env: BTreeMap::from([("TOKEN".to_string(), "x".to_string())]),
+            gpus: vec!["GPU-1".to_string()],
+            time_limit: Some(Duration::from_millis(1500)),
+        };
+        let mut r = AllocationRecord::launching(spec, 1000);
+        r.shim_pid = Some(4242);
+        r.shim_start_ticks = Some(987_654);
+        r
+    }
+
+    #[test]
+    fn record_round_trips_through_json() {
+        let mut r = record();
+        r.stop = Some(StopRequest {
+            reason: StopReason::Fenced,
+            term_sent_at_ms: 2000,
+        });
+        r.kill_sent_at_ms = Some(3000);
+        r.exit = Some(RecordedExit {
+            kind: ExitKind::Vanished {
+                reason: "x".to_string(),
+            },
+            at_ms: 4000,
+        });
+        let json = serde_json::to_string(&r).expect("encode");
+        let back: AllocationRecord = serde_json::from_str(&json).expect("decode");
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn exit_file_format_is_stable() {
+        let exit = ShimExitRecord {
+            status: ChildStatus::Signaled { signal: 15 },
+            at_ms: 77,
+            fenced: false,
+        };
+        let json = serde_json::to_string(&exit).expect("encode");
+        assert_eq!(json, r#"{"status":"signaled","signal":15,"at_ms":77}"#);
+        let back: ShimExitRecord =
+            serde_json::from_str(r#"{"status":"exited","code":3,"at_ms":5}"#).expect("decode");
+        assert_eq!(back.status, ChildStatus::Exited { code: 3 });
+    }
+
+    #[test]
+    fn load_skips_non_records_and_rejects_corrupt_ones() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layout = Layout::new(dir.path().to_path_buf());
+        layout.create_dirs().expect("dirs");
+        store_record(&layout, &record()).expect("store");
+        fs::write(layout.exit_file(12), "{}").expect("write");
+        fs::write(layout.records_dir().join("12.json.tmp.99"), "garbage").expect("write");
+        let loaded = load_records(&layout).expect("load");
+        assert_eq!(loaded, vec![record()]);
+
+        fs::write(layout.record(13), "{not json").expect("write");
+        let err = load_records(&layout).expect_err("corrupt record must fail the load");
+        assert!(matches!(err, RuntimeError::CorruptRecord { .. }), "{err}");
+
+        // A record stored under the wrong name is as suspicious as a corrupt one.
+        fs::remove_file(layout.record(13)).expect("rm");
+        fs::copy(layout.record(12), layout.record(14)).expect("copy");
+        assert!(load_records(&layout).is_err());
+    }
+
+    #[test]
+    fn unknown_format_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layout = Layout::new(dir.path().to_path_buf());
+        layout.create_dirs().expect("dirs");
+        let mut r = record();
+        r.format = 99;
+        store_record(&layout, &r).expect("store");
+        assert!(load_records(&layout).is_err());
+    }
+
+    #[test]
+    fn classify_prefers_the_runtimes_intent() {
+        let exited = ShimExitRecord {
+            status: ChildStatus::Exited { code: 0 },
+            at_ms: 1,
+            fenced: false,
+        };
+        let mut r = record();
+        assert_eq!(
+            classify(&r, Some(&exited), &ShimFate::Gone),
+            ExitKind::Exited { code: 0 }
+        );
+        let signaled = ShimExitRecord {
+            status: ChildStatus::Signaled { signal: 11 },
+            at_ms: 1,
+            fenced: false,
+        };
+        assert_eq!(
+            classify(&r, Some(&signaled), &ShimFate::Gone),
+            ExitKind::Signaled { signal: 11 }
+        );
+        assert!(matches!(
+            classify(&r, None, &ShimFate::Reaped(WaitStatus::Signaled(9))),
+            ExitKind::Vanished { .. }
+        ));
+        assert!(matches!(
+            classify(&r, None, &ShimFate::NeverReleased),
+            ExitKind::Vanished { .. }
+        ));
+
+        r.kill_sent_at_ms = Some(5);
+        assert_eq!(
+            classify(&r, None, &ShimFate::Gone),
+            ExitKind::Signaled { signal: 9 }
+        );
+
+        r.stop = Some(StopRequest {
+            reason: StopReason::Requested,
+            term_sent_at_ms: 4,
+        });
+        assert_eq!(
+            classify(&r, Some(&exited), &ShimFate::Gone),
+            ExitKind::Stopped
+        );
+        r.stop = Some(StopRequest {
+            reason: StopReason::TimeLimit,
+            term_sent_at_ms: 4,
+        });
+        assert_eq!(classify(&r, None, &ShimFate::PidReused), ExitKind::TimedOut);
+    }
+}

@@ -1,0 +1,424 @@
+//! The supervisor shim: `node-agent shim [--await-go] --exit-file F --stdout F --stderr F --
+//! command...`. One shim runs per allocation, between the agent and the command, so that the
+//! command outlives the agent and its end is still recorded when no agent is running.
+//!
+//! What it does, in order:
+//! 1. becomes a session (and process group) leader, unless the runtime already made it one,
+//!    so the whole allocation is one process group, detached from the agent's group and
+//!    terminal: a restart or SIGKILL of the agent does not touch it;
+//! 2. with `--await-go`, reads one byte from stdin and starts nothing unless it is `G`. The
+//!    runtime sends it only after persisting the shim's pid, so a command never runs without
+//!    a record of it (an agent crash in between closes the pipe: EOF, the shim exits);
+//! 3. spawns the command in its process group, stdin `/dev/null`, stdout/stderr appended to
+//!    the log files;
+//! 4. ignores SIGTERM/SIGINT/SIGHUP, so a SIGTERM sent to the group stops the command but not
+//!    the shim, which then records how the command ended. The signals are blocked *before*
+//!    the fork and only ignored after it: the child starts with default dispositions and an
+//!    empty mask (Rust's `Command` resets the mask in the child), and a signal arriving in
+//!    between stays pending and is then discarded rather than killing the shim;
+//! 5. waits for the command and writes its status atomically to the exit file;
+//! 6. SIGKILLs its own process group, itself included, so processes the command left behind
+//!    (daemonised helpers, background jobs) cannot keep using the allocation's GPUs after its
+//!    exit is reported (invariant 1).
+
+use std::fs::OpenOptions;
+use std::io::{self, Read};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use super::process::now_ms;
+use super::record::{ChildStatus, ShimExitRecord, write_atomic};
+
+/// Shim exit codes other than 0. The runtime only shows them in a `Vanished` reason: what
+/// matters is the exit file.
+const EXIT_USAGE: i32 = 2;
+const EXIT_NOT_RELEASED: i32 = 3;
+const EXIT_NO_RECORD: i32 = 4;
+
+const USAGE: &str = "usage: node-agent shim [--await-go] --exit-file FILE --stdout FILE --stderr FILE -- COMMAND [ARG...]";
+
+/// Signals the shim must outlive to record how its command ended.
+const SHIELDED_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShimArgs {
+    pub await_go: bool,
+    pub exit_file: PathBuf,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+    pub command: Vec<String>,
+    /// The agent's lease file; when the expiry it holds passes, the shim stops the command.
+    pub lease_file: Option<PathBuf>,
+    /// SIGTERM → SIGKILL grace when the shim fences the command itself.
+    pub fence_grace: Duration,
+}
+
+impl ShimArgs {
+    /// The arguments the runtime passes (after `shim_args`); the inverse of [`Self::parse`].
+    pub(crate) fn to_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if self.await_go {
+            args.push("--await-go".to_string());
+        }
+        for (flag, path) in [
+            ("--exit-file", &self.exit_file),
+            ("--stdout", &self.stdout),
+            ("--stderr", &self.stderr),
+        ] {
+            args.push(flag.to_string());
+            args.push(path.to_string_lossy().into_owned());
+        }
+        if let Some(lease) = &self.lease_file {
+            args.push("--lease-file".to_string());
+            args.push(lease.to_string_lossy().into_owned());
+            args.push("--fence-grace-ms".to_string());
+            args.push(self.fence_grace.as_millis().to_string());
+        }
+        args.push("--".to_string());
+        args.extend(self.command.iter().cloned());
+        args
+    }
+
+    pub(crate) fn parse(args: &[String]) -> Result<ShimArgs, String> {
+        let mut await_go = false;
+        let (mut exit_file, mut stdout, mut stderr, mut lease_file) = (None, None, None, None);
+        let mut fence_grace = Duration::from_secs(30);
+        let mut iter = args.iter();
+        loop {
+            let Some(arg) = iter.next() else {
+                return Err("missing `--` before the command".to_string());
+            };
+            let slot = match arg.as_str() {
+                "--" => break,
+                "--await-go" => {
+                    await_go = true;
+                    continue;
+                }
+                "--exit-file" => &mut exit_file,
+                "--stdout" => &mut stdout,
+                "--stderr" => &mut stderr,
+                "--lease-file" => &mut lease_file,
+                "--fence-grace-ms" => {
+                    let value = iter.next().ok_or("option --fence-grace-ms needs a value")?;
+                    let ms: u64 = value
+                        .parse()
+                        .map_err(|_| format!("--fence-grace-ms {value:?} is not a number"))?;
+                    fence_grace = Duration::from_millis(ms);
+                    continue;
+                }
+                other => return Err(format!("unknown option {other:?}")),
+            };
+            let value = iter
+                .next()
+                .ok_or_else(|| format!("option {arg} needs a value"))?;
+            *slot = Some(PathBuf::from(value));
+        }
+        let command: Vec<String> = iter.cloned().collect();
+        if command.is_empty() {
+            return Err("no command after `--`".to_string());
+        }
+        Ok(ShimArgs {
+            await_go,
+            exit_file: exit_file.ok_or("--exit-file is required")?,
+            stdout: stdout.ok_or("--stdout is required")?,
+            stderr: stderr.ok_or("--stderr is required")?,
+            command,
+            lease_file,
+            fence_grace,
+        })
+    }
+}
+
+/// Entry point of the hidden `node-agent shim ...` subcommand; `args` excludes `shim`.
+/// Returns the shim's exit code (in practice it usually ends by its own group SIGKILL, see
+/// the module documentation).
+pub fn shim_main(args: Vec<String>) -> i32 {
+    let args = match ShimArgs::parse(&args) {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("node-agent shim: {message}\n{USAGE}");
+            return EXIT_USAGE;
+        }
+    };
+    become_group_leader();
+    if args.await_go {
+        match await_go() {
+            Ok(true) => {}
+            Ok(false) => {
+                eprintln!(
+                    "node-agent shim: the agent went away before confirming the launch; the \
+                     command was not started"
+                );
+                return EXIT_NOT_RELEASED;
+            }
+            Err(e) => {
+                eprintln!("node-agent shim: cannot read the launch confirmation: {e}");
+                return EXIT_NOT_RELEASED;
+            }
+        }
+    }
+
+    let (status, fenced) = run_command(&args);
+    let record = ShimExitRecord {
+        status,
+        at_ms: now_ms(),
+        fenced,
+    };
+    let code = match serde_json::to_vec(&record)
+        .map_err(io::Error::other)
+        .and_then(|bytes| write_atomic(&args.exit_file, &bytes))
+    {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!(
+                "node-agent shim: cannot write exit file {}: {e}",
+                args.exit_file.display()
+            );
+            EXIT_NO_RECORD
+        }
+    };
+    kill_leftovers();
+    code
+}
+
+/// Makes the shim the leader of its own process group (see step 1).
+fn become_group_leader() {
+    // SAFETY: getsid/getpid/setsid take no pointers and only affect this process.
+    unsafe {
+        if libc::getsid(0) == libc::getpid() {
+            return; // The runtime already called setsid() between fork and exec.
+        }
+        if libc::setsid() < 0 {
+            // Only fails when we already lead a process group (started by an interactive
+            // shell); the group is then ours anyway.
+            eprintln!(
+                "node-agent shim: setsid failed: {}",
+                io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+fn await_go() -> io::Result<bool> {
+    let mut byte = [0u8; 1];
+    loop {
+        match io::stdin().lock().read(&mut byte) {
+            Ok(0) => return Ok(false),
+            Ok(_) => return Ok(byte[0] == b'G'),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Steps 3 to 5: runs the command and returns how it ended. A command that cannot be started
+/// ends like it would in a shell: 127 (not found) or 126 (not executable), with the reason
+/// in the stderr log.
+/// Whether the agent's lease, as published in `path`, has expired. A missing or unreadable
+/// file is no evidence of expiry (the agent may be writing it): keep running.
+fn lease_expired(path: &std::path::Path) -> bool {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .is_some_and(|expires_at_ms| now_ms() > expires_at_ms)
+}
+
+/// Runs the command; returns how it ended and whether the shim fenced it (lease expired).
+fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
+    let open_log = |path: &PathBuf| {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| format!("cannot open log file {}: {e}", path.display()))
+    };
+    let logs = open_log(&args.stdout).and_then(|out| Ok((out, open_log(&args.stderr)?)));
+    let (stdout, stderr) = match logs {
+        Ok(files) => files,
+        Err(message) => {
+            eprintln!("node-agent shim: {message}");
+            return (ChildStatus::Exited { code: 126 }, false);
+        }
+    };
+    let mut command = Command::new(&args.command[0]);
+    command
+        .args(&args.command[1..])
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr);
+
+    let previous_mask = block_shielded_signals();
+    let spawned = command.spawn();
+    if spawned.is_ok() {
+        ignore_shielded_signals();
+    }
+    restore_mask(previous_mask);
+
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            eprintln!("node-agent shim: cannot start {:?}: {e}", args.command[0]);
+            let code = if e.kind() == io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
+            return (ChildStatus::Exited { code }, false);
+        }
+    };
+    // Without a lease file, block in wait(); with one, poll so the lease can be checked.
+    let mut fenced_at: Option<std::time::Instant> = None;
+    let mut killed = false;
+    loop {
+        let waited = match &args.lease_file {
+            None => child.wait().map(Some),
+            Some(_) => child.try_wait(),
+        };
+        match waited {
+            Ok(Some(status)) => {
+                use std::os::unix::process::ExitStatusExt;
+                let status = match (status.code(), status.signal()) {
+                    (Some(code), _) => ChildStatus::Exited { code },
+                    (None, Some(signal)) => ChildStatus::Signaled { signal },
+                    // Stopped/continued are not reported by wait(); keep a defined answer.
+                    (None, None) => ChildStatus::Exited { code: -1 },
+                };
+                return (status, fenced_at.is_some());
+            }
+            Ok(None) => {
+                if let Some(lease) = &args.lease_file {
+                    match fenced_at {
+                        None if lease_expired(lease) => {
+                            eprintln!(
+                                "node-agent shim: the agent's lease expired; stopping the command (self-fencing)"
+                            );
+                            // SIGTERM to the whole group; the shim itself ignores it.
+                            // SAFETY: kill(2) on our own process group.
+                            unsafe { libc::kill(0, libc::SIGTERM) };
+                            fenced_at = Some(std::time::Instant::now());
+                        }
+                        Some(t) if !killed && t.elapsed() >= args.fence_grace => {
+                            // SAFETY: kill(2) on our own child; the rest of the group is
+                            // killed after the exit record is written (kill_leftovers).
+                            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+                            killed = true;
+                        }
+                        _ => {}
+                    }
+                }
+                std::thread::sleep(LEASE_POLL);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                // Cannot happen for our own child; without a status we cannot claim one.
+                eprintln!("node-agent shim: waiting for the command failed: {e}");
+                return (ChildStatus::Exited { code: -1 }, fenced_at.is_some());
+            }
+        }
+    }
+}
+
+/// How often a shim with a lease file checks the lease and its command.
+const LEASE_POLL: Duration = Duration::from_millis(100);
+
+fn shielded_set() -> libc::sigset_t {
+    // SAFETY: sigemptyset initialises the set before sigaddset reads it; both only write
+    // into the local `set`.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for signal in SHIELDED_SIGNALS {
+            libc::sigaddset(&mut set, signal);
+        }
+        set
+    }
+}
+
+fn block_shielded_signals() -> libc::sigset_t {
+    let set = shielded_set();
+    // SAFETY: both pointers refer to valid sigset_t values owned by this frame.
+    unsafe {
+        let mut previous: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut previous);
+        previous
+    }
+}
+
+fn restore_mask(previous: libc::sigset_t) {
+    // SAFETY: `previous` is a valid sigset_t; a null old-set pointer is allowed.
+    unsafe {
+        libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
+    }
+}
+
+fn ignore_shielded_signals() {
+    for signal in SHIELDED_SIGNALS {
+        // SAFETY: SIG_IGN installs no handler code; pending instances are discarded.
+        unsafe {
+            libc::signal(signal, libc::SIG_IGN);
+        }
+    }
+}
+
+/// Step 6: SIGKILL the whole group, the shim included, once the exit is recorded.
+fn kill_leftovers() {
+    // SAFETY: getpgrp/getpid/kill take no pointers.
+    unsafe {
+        // Only when we lead the group, so a shim started by hand inside someone else's
+        // process group never kills that group.
+        if libc::getpgrp() == libc::getpid() {
+            libc::kill(0, libc::SIGKILL);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_and_round_trips() {
+        let args = ShimArgs::parse(&strings(&[
+            "--await-go",
+            "--exit-file",
+            "/s/1.exit.json",
+            "--stdout",
+            "/s/out",
+            "--stderr",
+            "/s/err",
+            "--",
+            "sh",
+            "-c",
+            "echo --stdout",
+        ]))
+        .expect("parse");
+        assert!(args.await_go);
+        assert_eq!(args.exit_file, PathBuf::from("/s/1.exit.json"));
+        assert_eq!(args.command, strings(&["sh", "-c", "echo --stdout"]));
+        assert_eq!(ShimArgs::parse(&args.to_args()), Ok(args));
+    }
+
+    #[test]
+    fn rejects_incomplete_arguments() {
+        assert!(ShimArgs::parse(&strings(&["--exit-file", "x", "--", "true"])).is_err());
+        assert!(
+            ShimArgs::parse(&strings(&[
+                "--exit-file",
+                "x",
+                "--stdout",
+                "o",
+                "--stderr",
+                "e",
+                "--"
+            ]))
+            .is_err()
+        );
+        assert!(ShimArgs::parse(&strings(&["--bogus", "--", "true"])).is_err());
+        assert!(ShimArgs::parse(&strings(&["--stdout"])).is_err());
+    }
+}

@@ -1,0 +1,749 @@
+//! [`Runtime`]: launches allocations under the shim, supervises them by polling, stops them
+//! (SIGTERM, then SIGKILL after the grace), enforces time limits, and re-adopts them after an
+//! agent restart. Synchronous: the agent calls [`Runtime::poll`] from a periodic tick
+//! (e.g. `spawn_blocking` every few hundred milliseconds); no call blocks for long.
+//!
+//! Exit detection works the same for processes started in this life and re-adopted ones:
+//! `/proc/<pid>/stat` (with the start time, against pid reuse) says whether the shim still
+//! runs; once it does not, the exit file says how the command ended. Our own children are
+//! additionally reaped with `waitpid(WNOHANG)` so they do not stay zombies.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::env::{command_env, validate_spec};
+use super::journal::{UsageRecord, append_usage};
+use super::process::{Probe, Reap, now_ms, probe, read_stat, signal_group, try_reap};
+use super::record::{
+    AllocationRecord, Layout, RecordedExit, ShimFate, StopRequest, classify, load_records,
+    read_exit_file, remove_if_present, store_record, sync_dir,
+};
+use super::shim::ShimArgs;
+use super::types::{LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason};
+
+/// One allocation as the runtime tracks it.
+#[derive(Debug)]
+struct Entry {
+    record: AllocationRecord,
+    /// The in-memory record is newer than the file (a write failed); retried every poll.
+    /// The in-memory state keeps driving supervision meanwhile.
+    dirty: bool,
+}
+
+/// The workload runtime of one host. One per state directory (enforced with a lock file).
+///
+/// Dropping it leaves every process running, exactly like an agent crash: the next
+/// [`Runtime::open`] on the same state directory re-adopts them.
+#[derive(Debug)]
+pub struct Runtime {
+    config: RuntimeConfig,
+    layout: Layout,
+    /// Holds the state-directory lock (flock) for the runtime's lifetime.
+    _lock: File,
+    entries: BTreeMap<u64, Entry>,
+    /// Events produced outside `poll` (launch, open), handed out by the next `poll`.
+    pending: Vec<RuntimeEvent>,
+}
+
+impl Runtime {
+    /// Opens the state directory (creating it if needed), loads the persisted records, and
+    /// settles each one: an exit already recorded is reported again by the next `poll` (it
+    /// was not forgotten, so the control plane may not have it); a process that ended while
+    /// the agent was down is classified now (from its exit file, else `Vanished`); a process
+    /// still running is re-adopted, never started again.
+    pub fn open(config: RuntimeConfig) -> Result<Runtime, RuntimeError> {
+        let layout = Layout::new(config.state_dir.clone());
+        layout.create_dirs()?;
+        let lock = lock_state_dir(&layout)?;
+        // Create the journal so that readers find it even before the first launch.
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(layout.journal())
+            .map_err(|source| RuntimeError::Io {
+                action: "create GPU usage journal",
+                path: layout.journal(),
+                source,
+            })?;
+        let records = load_records(&layout)?;
+        let mut runtime = Runtime {
+            config,
+            layout,
+            _lock: lock,
+            entries: BTreeMap::new(),
+            pending: Vec::new(),
+        };
+        let now = now_ms();
+        for record in records {
+            let id = record.id();
+            if let Some(exit) = &record.exit {
+                runtime.pending.push(RuntimeEvent::Exited {
+                    allocation_id: id,
+                    kind: exit.kind.clone(),
+                    at_ms: exit.at_ms,
+                });
+            }
+            let launching = record.is_live() && record.shim_pid.is_none();
+            let resend_term =
+                record.is_live() && record.stop.is_some() && record.kill_sent_at_ms.is_none();
+            runtime.entries.insert(
+                id,
+                Entry {
+                    record,
+                    dirty: false,
+                },
+            );
+            if launching {
+                runtime.finish(id, None, ShimFate::NeverReleased, now);
+            } else if resend_term {
+                // The previous life may have crashed between recording the stop and sending
+                // SIGTERM; a second SIGTERM is harmless. The grace still counts from the
+                // recorded time.
+                if let Err(e) = runtime.signal(id, libc::SIGTERM) {
+                    tracing::warn!(allocation = id, error = %e, "cannot re-send SIGTERM; SIGKILL follows after the grace");
+                }
+            }
+        }
+        runtime.supervise(now);
+        Ok(runtime)
+    }
+
+    /// Starts an allocation's command under a new shim. Refuses an allocation id the runtime
+    /// already knows (running, or exited and not forgotten) and GPUs held by another live
+    /// allocation: whatever the control plane believes, this host never runs two copies of
+    /// an allocation or two allocations on one GPU.
+    ///
+    /// Order of effects, so that a crash at any point leaves no untracked process: write the
+    /// launch record; spawn the shim, which waits; record its pid and start time; journal the
+    /// start; release the shim with the go byte.
+    pub fn launch(&mut self, spec: LaunchSpec) -> Result<(), RuntimeError> {
+        validate_spec(&spec)?;
+        let id = spec.allocation_id;
+        if self.entries.contains_key(&id) || self.layout.record(id).exists() {
+            return Err(RuntimeError::AlreadyKnown(id));
+        }
+        let in_use = self.gpus_in_use();
+        if let Some((gpu, holder)) = spec
+            .gpus
+            .iter()
+            .find_map(|g| in_use.get(g).map(|h| (g, *h)))
+        {
+            return Err(RuntimeError::GpuBusy {
+                gpu: gpu.clone(),
+                holder,
+                allocation: id,
+            });
+        }
+
+        let log_dir = self.layout.log_dir(id);
+        fs::create_dir_all(&log_dir).map_err(|source| RuntimeError::Io {
+            action: "create log directory",
+            path: log_dir.clone(),
+            source,
+        })?;
+        let (stdout_log, stderr_log) = self.log_paths(id);
+        // The shim's own diagnostics (cannot start the command, ...) go to the job's stderr
+        // log, where the job's owner looks first.
+        let shim_stderr = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&stderr_log)
+            .map_err(|source| RuntimeError::Io {
+                action: "open log file",
+                path: stderr_log.clone(),
+                source,
+            })?;
+
+        let mut record = AllocationRecord::launching(spec, now_ms());
+        store_record(&self.layout, &record)?;
+
+        let shim_args = ShimArgs {
+            await_go: true,
+            exit_file: self.layout.exit_file(id),
+            stdout: stdout_log,
+            stderr: stderr_log,
+            command: record.spec.command.clone(),
+            lease_file: self.config.lease_file.clone(),
+            fence_grace: self.config.stop_grace,
+        };
+        let env = command_env(&record.spec, |key| std::env::var(key).ok());
+        let mut command = Command::new(&self.config.shim_program);
+        command
+            .args(&self.config.shim_args)
+            .args(shim_args.to_args())
+            .env_clear()
+            .envs(&env)
+            // A writable per-allocation directory the command may use for scratch files.
+            .current_dir(&log_dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(shim_stderr);
+        // SAFETY: the closure runs between fork and exec and only calls setsid(), which is
+        // async-signal-safe. Doing it here rather than in the shim means the shim leads its
+        // own process group from its first instruction, so `stop` can signal the group even
+        // if it comes before the shim has run at all.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(source) => {
+                let _ = remove_if_present(&self.layout.record(id));
+                return Err(RuntimeError::Spawn {
+                    allocation: id,
+                    program: self.config.shim_program.clone(),
+                    source,
+                });
+            }
+        };
+        let pid = child.id();
+
+        let started = (|| {
+            let stat = read_stat(pid)
+                .map_err(|source| self.spawn_error(id, source))?
+                .ok_or_else(|| {
+                    self.spawn_error(id, io::Error::other("the shim exited right after starting"))
+                })?;
+            record.shim_pid = Some(pid);
+            record.shim_start_ticks = Some(stat.start_ticks);
+            record.started_at_ms = now_ms();
+            store_record(&self.layout, &record)?;
+            append_usage(
+                &self.layout.journal(),
+                &UsageRecord::Start {
+                    allocation: id,
+                    job: record.spec.job_id,
+                    gpus: record.spec.gpus.clone(),
+                    pid,
+                    at_ms: record.started_at_ms,
+                },
+            )?;
+            let mut go = child
+                .stdin
+                .take()
+                .ok_or_else(|| self.spawn_error(id, io::Error::other("no pipe to the shim")))?;
+            // A shim that died already makes this fail with EPIPE rather than raising
+            // SIGPIPE, because Rust programs (the agent, the test harness) ignore SIGPIPE.
+            go.write_all(b"G").map_err(|e| {
+                // Journal the stop too, so the history shows the GPUs free again.
+                let _ = append_usage(
+                    &self.layout.journal(),
+                    &UsageRecord::Stop {
+                        allocation: id,
+                        gpus: record.spec.gpus.clone(),
+                        at_ms: now_ms(),
+                    },
+                );
+                self.spawn_error(id, e)
+            })
+        })();
+        if let Err(e) = started {
+            self.abort_launch(id, child);
+            return Err(e);
+        }
+        // Dropping `child` neither kills nor waits; `poll` reaps the shim with waitpid.
+        drop(child);
+        self.entries.insert(
+            id,
+            Entry {
+                record,
+                dirty: false,
+            },
+        );
+        self.pending.push(RuntimeEvent::Started {
+            allocation_id: id,
+            pid,
+        });
+        Ok(())
+    }
+
+    /// Stops an allocation: SIGTERM to its process group now, SIGKILL once `stop_grace` has
+    /// passed (sent by `poll`). Idempotent: stopping an allocation that is already stopping
+    /// or has exited does nothing (the first reason is kept). The exit is then reported as
+    /// `Stopped` (`TimedOut` for [`StopReason::TimeLimit`]) by `poll`.
+    pub fn stop(&mut self, allocation_id: u64, reason: StopReason) -> Result<(), RuntimeError> {
+        let entry = self
+            .entries
+            .get(&allocation_id)
+            .ok_or(RuntimeError::Unknown(allocation_id))?;
+        if !entry.record.is_live() || entry.record.stop.is_some() {
+            return Ok(());
+        }
+        self.begin_stop(allocation_id, reason, now_ms())
+    }
+
+    /// Reaps exits, escalates stops whose grace has passed, enforces time limits, and
+    /// returns the events since the last call (launches, exits, and exits found by `open`).
+    pub fn poll(&mut self) -> Vec<RuntimeEvent> {
+        self.retry_dirty();
+        self.supervise(now_ms());
+        std::mem::take(&mut self.pending)
+    }
+
+    /// Allocations whose processes run (or are being stopped), in id order.
+    pub fn live(&self) -> Vec<u64> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.record.is_live())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// GPU UUID → live allocation holding it on this host.
+    pub fn gpus_in_use(&self) -> BTreeMap<String, u64> {
+        let mut in_use = BTreeMap::new();
+        for (id, entry) in &self.entries {
+            if entry.record.is_live() {
+                for gpu in &entry.record.spec.gpus {
+                    in_use.insert(gpu.clone(), *id);
+                }
+            }
+        }
+        in_use
+    }
+
+    /// The shim's pid (= process group id) of a live allocation. Addition to the brief: lets
+    /// the agent report it and tests check that a re-adopted process is the same one.
+    pub fn pid(&self, allocation_id: u64) -> Option<u32> {
+        self.entries
+            .get(&allocation_id)
+            .filter(|e| e.record.is_live())
+            .and_then(|e| e.record.shim_pid)
+    }
+
+    /// Deletes an exited allocation's record once the control plane has acknowledged its
+    /// exit report, so the exit is not reported again after a restart. Idempotent for
+    /// unknown (already forgotten) ids; refuses a live allocation. Logs are kept.
+    pub fn forget(&mut self, allocation_id: u64) -> Result<(), RuntimeError> {
+        let Some(entry) = self.entries.get(&allocation_id) else {
+            return Ok(());
+        };
+        if entry.record.is_live() {
+            return Err(RuntimeError::StillRunning(allocation_id));
+        }
+        // Exit file first: if we crash in between, the record (which has the exit) remains
+        // and the exit is reported again, which is the safe direction.
+        remove_if_present(&self.layout.exit_file(allocation_id))?;
+        remove_if_present(&self.layout.record(allocation_id))?;
+        let dir = self.layout.records_dir();
+        sync_dir(&dir).map_err(|source| RuntimeError::Io {
+            action: "sync state directory",
+            path: dir,
+            source,
+        })?;
+        self.entries.remove(&allocation_id);
+        self.pending.retain(|event| match event {
+            RuntimeEvent::Started {
+                allocation_id: a, ..
+            }
+            | RuntimeEvent::Exited {
+                allocation_id: a, ..
+            } => *a != allocation_id,
+        });
+        Ok(())
+    }
+
+    /// `(stdout, stderr)` log files of an allocation: `state_dir/logs/<id>/{stdout,stderr}`.
+    pub fn log_paths(&self, allocation_id: u64) -> (PathBuf, PathBuf) {
+        (
+            self.layout.stdout_log(allocation_id),
+            self.layout.stderr_log(allocation_id),
+        )
+    }
+
+    /// The GPU usage journal of this state directory (see `journal.rs`).
+    pub fn usage_journal_path(&self) -> PathBuf {
+        self.layout.journal()
+    }
+
+    fn spawn_error(&self, allocation: u64, source: io::Error) -> RuntimeError {
+        RuntimeError::Spawn {
+            allocation,
+            program: self.config.shim_program.clone(),
+            source,
+        }
+    }
+
+    /// Undoes a launch whose shim was spawned but not released: the command never ran, so
+    /// killing the shim (alone in its new group) and deleting the record leaves no trace.
+    fn abort_launch(&mut self, id: u64, mut child: Child) {
+        drop(child.stdin.take()); // EOF: the shim exits by itself even if kill fails.
+        let _ = child.kill();
+        let _ = child.wait();
+        if let Err(e) = remove_if_present(&self.layout.record(id)) {
+            tracing::error!(allocation = id, error = %e, "cannot remove record of an aborted launch; the next start reports it as vanished");
+        }
+    }
+
+    fn begin_stop(&mut self, id: u64, reason: StopReason, now: u64) -> Result<(), RuntimeError> {
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return Err(RuntimeError::Unknown(id));
+        };
+        entry.record.stop = Some(StopRequest {
+            reason,
+            term_sent_at_ms: now,
+        });
+        tracing::info!(allocation = id, ?reason, "stopping allocation");
+        // Persist before signalling: a restarted agent must know the exit was ours.
+        self.persist(id);
+        self.signal(id, libc::SIGTERM)
+            .map_err(|source| RuntimeError::Signal {
+                allocation: id,
+                signal: libc::SIGTERM,
+                source,
+            })
+    }
+
+    /// Signals an allocation's process group, after checking the shim's pid still names our
+    /// shim (or its zombie, or the group it left behind): never an unrelated process.
+    fn signal(&self, id: u64, signal: i32) -> io::Result<()> {
+        let Some(entry) = self.entries.get(&id) else {
+            return Ok(());
+        };
+        let (Some(pid), Some(ticks)) = (entry.record.shim_pid, entry.record.shim_start_ticks)
+        else {
+            return Ok(());
+        };
+        match probe(pid, ticks) {
+            Probe::Reused => Ok(()),
+            Probe::Running | Probe::Zombie | Probe::Gone => signal_group(pid, signal).map(|_| ()),
+        }
+    }
+
+    fn persist(&mut self, id: u64) {
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return;
+        };
+        match store_record(&self.layout, &entry.record) {
+            Ok(()) => entry.dirty = false,
+            Err(e) => {
+                tracing::error!(allocation = id, error = %e, "cannot persist allocation state; will retry");
+                entry.dirty = true;
+            }
+        }
+    }
+
+    fn retry_dirty(&mut self) {
+        let dirty: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.dirty)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in dirty {
+            self.persist(id);
+        }
+    }
+
+    /// One supervision pass over every live allocation.
+    fn supervise(&mut self, now: u64) {
+        let live = self.live();
+        for id in live {
+            self.supervise_one(id, now);
+        }
+    }
+
+    fn supervise_one(&mut self, id: u64, now: u64) {
+        let Some(entry) = self.entries.get(&id) else {
+            return;
+        };
+        let record = &entry.record;
+        let (Some(pid), Some(ticks)) = (record.shim_pid, record.shim_start_ticks) else {
+            return;
+        };
+        let exit_file = self.layout.exit_file(id);
+        match probe(pid, ticks) {
+            Probe::Running => {
+                if exit_file.exists() {
+                    // The command has ended and the shim is about to kill its group and
+                    // itself; make sure of it (a stopped or stuck shim) and report once it is
+                    // gone, so that no process of the allocation remains when we report.
+                    let _ = signal_group(pid, libc::SIGKILL);
+                    return;
+                }
+                self.enforce_deadlines(id, pid, now);
+            }
+            Probe::Zombie => {
+                // The zombie still reserves the pid, so the group id cannot be anybody else's.
+                let _ = signal_group(pid, libc::SIGKILL);
+                let fate = match try_reap(pid) {
+                    Reap::Reaped(status) => ShimFate::Reaped(status),
+                    Reap::NotOurChild | Reap::StillRunning => ShimFate::Gone,
+                };
+                self.settle(id, fate, now);
+            }
+            Probe::Gone => {
+                // The shim is gone but members of its group may remain (the shim alone was
+                // killed); while any member lives the group id cannot be reused, so this
+                // reaches only our processes.
+                let _ = signal_group(pid, libc::SIGKILL);
+                self.settle(id, ShimFate::Gone, now);
+            }
+            Probe::Reused => self.settle(id, ShimFate::PidReused, now),
+        }
+    }
+
+    /// Time limit and stop escalation for a running allocation.
+    fn enforce_deadlines(&mut self, id: u64, pid: u32, now: u64) {
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return;
+        };
+        let record = &mut entry.record;
+        let Some(stop) = &record.stop else {
+            let Some(limit) = record.spec.time_limit else {
+                return;
+            };
+            if now >= record.started_at_ms.saturating_add(duration_ms(limit)) {
+                tracing::info!(allocation = id, ?limit, "time limit reached");
+                if let Err(e) = self.begin_stop(id, StopReason::TimeLimit, now) {
+                    tracing::warn!(allocation = id, error = %e, "cannot signal timed-out allocation; SIGKILL follows after the grace");
+                }
+            }
+            return;
+        };
+        let grace = duration_ms(self.config.stop_grace);
+        if record.kill_sent_at_ms.is_some() || now < stop.term_sent_at_ms.saturating_add(grace) {
+            return;
+        }
+        tracing::warn!(
+            allocation = id,
+            "process group still running after the stop grace; sending SIGKILL"
+        );
+        record.kill_sent_at_ms = Some(now);
+        self.persist(id);
+        if let Err(e) = signal_group(pid, libc::SIGKILL) {
+            tracing::error!(allocation = id, error = %e, "cannot SIGKILL process group");
+        }
+    }
+
+    /// Records an exit whose shim is no longer running (reads its exit file).
+    fn settle(&mut self, id: u64, fate: ShimFate, now: u64) {
+        let (exit, fate) = match read_exit_file(&self.layout.exit_file(id)) {
+            Ok(exit) => (exit, fate),
+            Err(message) => (None, ShimFate::UnreadableExitFile(message)),
+        };
+        self.finish(id, exit, fate, now);
+    }
+
+    /// Classifies, journals, persists and queues the exit of allocation `id`. The journal
+    /// line goes first: after a crash between the two, the exit is found again and journaled
+    /// twice, which the checker tolerates; the other order could lose the `stop` line.
+    fn finish(
+        &mut self,
+        id: u64,
+        exit: Option<super::record::ShimExitRecord>,
+        fate: ShimFate,
+        now: u64,
+    ) {
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return;
+        };
+        let kind = classify(&entry.record, exit.as_ref(), &fate);
+        let at_ms = exit.map_or(now, |e| e.at_ms);
+        if let Err(e) = append_usage(
+            &self.layout.journal(),
+            &UsageRecord::Stop {
+                allocation: id,
+                gpus: entry.record.spec.gpus.clone(),
+                at_ms: now,
+            },
+        ) {
+            tracing::error!(allocation = id, error = %e, "cannot journal GPU release");
+        }
+        tracing::info!(allocation = id, ?kind, "allocation exited");
+        entry.record.exit = Some(RecordedExit {
+            kind: kind.clone(),
+            at_ms,
+        });
+        self.persist(id);
+        self.pending.push(RuntimeEvent::Exited {
+            allocation_id: id,
+            kind,
+            at_ms,
+        });
+    }
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// How long `open` waits for the state-directory lock before reporting it busy. Another
+/// thread's `fork` briefly duplicates every descriptor of the process, the lock's included,
+/// until the child's `exec` closes it; so a lock just released by a dropped runtime (in tests,
+/// or an agent restarting in-process) can look held for a few milliseconds. A second live
+/// agent holds it for good and is still refused.
+const LOCK_WAIT: Duration = Duration::from_secs(2);
+
+/// Takes an exclusive flock on `state_dir/runtime.lock`, waiting up to [`LOCK_WAIT`]. The
+/// lock belongs to the open file, so it is released when the runtime is dropped or the agent
+/// dies, and the shims do not keep it (std opens files close-on-exec).
+fn lock_state_dir(layout: &Layout) -> Result<File, RuntimeError> {
+    let path = layout.lock();
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|source| RuntimeError::Io {
+            action: "open lock file",
+            path: path.clone(),
+            source,
+        })?;
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        // SAFETY: flock on a descriptor we own; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(file);
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EWOULDBLOCK) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Some(libc::EWOULDBLOCK) => {
+                return Err(RuntimeError::StateDirBusy {
+                    state_dir: layout.root().to_path_buf(),
+                    lock: path,
+                });
+            }
+            _ => {
+                return Err(RuntimeError::Io {
+                    action: "lock",
+                    path,
+                    source: err,
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::runtime::types::ExitKind;
+
+    fn config(dir: &std::path::Path) -> RuntimeConfig {
+        RuntimeConfig {
+            state_dir: dir.to_path_buf(),
+            // Never spawned in these tests.
+            shim_program: PathBuf::from("/nonexistent/node-agent"),
+            shim_args: vec!["shim".to_string()],
+            stop_grace: Duration::from_secs(1),
+            lease_file: None,
+        }
+    }
+
+    fn spec(id: u64, gpus: &[&str]) -> LaunchSpec {
+        LaunchSpec {
+            allocation_id: id,
+            job_id: 1,
+            job_name: "j".to_string(),
+            tenant: "t".to_string(),
+            command: vec!["true".to_string()],
+            env: BTreeMap::new(),
+            gpus: gpus.iter().map(|g| g.to_string()).collect(),
+            time_limit: None,
+        }
+    }
+
+    #[test]
+    fn a_launch_interrupted_before_the_pid_was_recorded_is_reported_vanished() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layout = Layout::new(dir.path().to_path_buf());
+        layout.create_dirs().expect("dirs");
+        store_record(
+            &layout,
+            &AllocationRecord::launching(spec(5, &["GPU-a"]), 1),
+        )
+        .expect("store");
+
+        let mut rt = Runtime::open(config(dir.path())).expect("open");
+        assert!(rt.live().is_empty());
+        assert!(rt.gpus_in_use().is_empty());
+        let events = rt.poll();
+        assert!(
+            matches!(
+                events.as_slice(),
+                [RuntimeEvent::Exited {
+                    allocation_id: 5,
+                    kind: ExitKind::Vanished { .. },
+                    ..
+                }]
+            ),
+            "{events:?}"
+        );
+        assert!(rt.poll().is_empty());
+        // Still known until forgotten: no second copy.
+        assert!(matches!(
+            rt.launch(spec(5, &[])),
+            Err(RuntimeError::AlreadyKnown(5))
+        ));
+        rt.forget(5).expect("forget");
+        rt.forget(5).expect("forget is idempotent");
+        drop(rt);
+        let mut rt = Runtime::open(config(dir.path())).expect("reopen");
+        assert!(rt.poll().is_empty());
+    }
+
+    #[test]
+    fn a_spawn_failure_leaves_no_record() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut rt = Runtime::open(config(dir.path())).expect("open");
+        let err = rt.launch(spec(3, &["GPU-a"])).expect_err("no shim binary");
+        assert!(
+            matches!(err, RuntimeError::Spawn { allocation: 3, .. }),
+            "{err}"
+        );
+        assert!(rt.live().is_empty());
+        assert!(!Layout::new(dir.path().to_path_buf()).record(3).exists());
+        assert!(rt.poll().is_empty());
+    }
+
+    #[test]
+    fn runtime_can_move_to_a_blocking_task() {
+        fn assert_send<T: Send + 'static>() {}
+        assert_send::<Runtime>();
+    }
+
+    #[test]
+    fn one_runtime_per_state_directory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let rt = Runtime::open(config(dir.path())).expect("open");
+        let err = Runtime::open(config(dir.path())).expect_err("second runtime");
+        assert!(matches!(err, RuntimeError::StateDirBusy { .. }), "{err}");
+        drop(rt);
+        Runtime::open(config(dir.path())).expect("lock released on drop");
+    }
+
+    #[test]
+    fn invalid_specs_and_unknown_ids_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut rt = Runtime::open(config(dir.path())).expect("open");
+        let mut bad = spec(1, &[]);
+        bad.command.clear();
+        assert!(matches!(
+            rt.launch(bad),
+            Err(RuntimeError::InvalidSpec { allocation: 1, .. })
+        ));
+        assert!(matches!(
+            rt.stop(9, StopReason::Requested),
+            Err(RuntimeError::Unknown(9))
+        ));
+        rt.forget(9).expect("forgetting an unknown id is a no-op");
+    }
+}

@@ -39,6 +39,28 @@ impl ReplicaProcess {
     }
 }
 
+/// A node agent process on a simulated host.
+pub struct AgentProcess {
+    pub name: String,
+    pub preset: String,
+    pub addr: String,
+    pub state_dir: PathBuf,
+    pub log_path: PathBuf,
+    pub extra_args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl AgentProcess {
+    /// The agent's GPU usage journal (one line per workload start and stop).
+    pub fn usage_journal(&self) -> PathBuf {
+        self.state_dir.join("runtime").join("gpu-usage.jsonl")
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+}
+
 pub struct LocalCluster {
     /// Program and leading arguments that run one replica (`control-plane`, or `gpuctl replica`).
     program: PathBuf,
@@ -51,6 +73,9 @@ pub struct LocalCluster {
     pub env: Vec<(String, String)>,
     pub replicas: BTreeMap<u64, ReplicaProcess>,
     initial_peers: String,
+    /// Program (and leading arguments) that runs a node agent (`gpuctl agent`, `node-agent`).
+    pub agent_program: Option<(PathBuf, Vec<String>)>,
+    pub agents: BTreeMap<String, AgentProcess>,
 }
 
 /// Free loopback ports, found by binding port 0. The ports are released before the replicas
@@ -103,7 +128,88 @@ impl LocalCluster {
             env: Vec::new(),
             replicas,
             initial_peers,
+            agent_program: None,
+            agents: BTreeMap::new(),
         }
+    }
+
+    /// Describes a simulated GPU host (not started). `extra_args` go to every start.
+    pub fn add_agent(&mut self, name: &str, preset: &str, port: u16, extra_args: &[&str]) {
+        self.agents.insert(
+            name.to_owned(),
+            AgentProcess {
+                name: name.to_owned(),
+                preset: preset.to_owned(),
+                addr: format!("127.0.0.1:{port}"),
+                state_dir: self.root.join(format!("agent-{name}")),
+                log_path: self.root.join(format!("agent-{name}.log")),
+                extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+                child: None,
+            },
+        );
+    }
+
+    pub fn start_agent(&mut self, name: &str) -> anyhow::Result<()> {
+        let (program, args) = self
+            .agent_program
+            .clone()
+            .context("no agent program configured for this cluster")?;
+        let endpoints = self.endpoints().join(",");
+        let a = self
+            .agents
+            .get_mut(name)
+            .with_context(|| format!("no agent {name}"))?;
+        if a.child.is_some() {
+            bail!("agent {name} is already running");
+        }
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&a.log_path)?;
+        let mut cmd = Command::new(&program);
+        cmd.args(&args)
+            .args([
+                "--name",
+                name,
+                "--simulated",
+                &a.preset,
+                "--listen",
+                &a.addr,
+                "--control-plane",
+                &endpoints,
+            ])
+            .arg("--state-dir")
+            .arg(&a.state_dir)
+            .args(&a.extra_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        // Not tied to our death: the point of an agent is that its workloads (and the agent,
+        // under a service manager) outlive any one client. Drop stops it explicitly.
+        a.child = Some(
+            cmd.spawn()
+                .with_context(|| format!("starting agent {name}"))?,
+        );
+        Ok(())
+    }
+
+    pub fn kill_agent(&mut self, name: &str) -> anyhow::Result<()> {
+        let a = self
+            .agents
+            .get_mut(name)
+            .with_context(|| format!("no agent {name}"))?;
+        let mut child = a
+            .child
+            .take()
+            .with_context(|| format!("agent {name} is not running"))?;
+        child.kill()?;
+        child.wait()?;
+        Ok(())
+    }
+
+    pub fn agent_log(&self, name: &str) -> String {
+        std::fs::read_to_string(&self.agents[name].log_path).unwrap_or_default()
     }
 
     /// Adds the description of one more replica (not part of the initial peers).
@@ -348,6 +454,16 @@ impl LocalCluster {
 
 impl Drop for LocalCluster {
     fn drop(&mut self) {
+        for a in self.agents.values_mut() {
+            if let Some(mut c) = a.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        // Workloads outlive their agent by design; stop every shim the agents left behind.
+        for a in self.agents.values() {
+            kill_workloads(&a.state_dir);
+        }
         let ids: Vec<u64> = self.replicas.keys().copied().collect();
         for id in &ids {
             if let Some(c) = self.replicas.get(id).and_then(|r| r.child.as_ref()) {
@@ -372,6 +488,28 @@ fn set_parent_death_signal(cmd: &mut Command) {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                 Ok(())
             });
+        }
+    }
+}
+
+/// Kills the process groups of every workload recorded under an agent's state directory
+/// (used when a local cluster is torn down; a real host keeps them).
+pub fn kill_workloads(agent_state_dir: &Path) {
+    let Ok(records) = node_agent::runtime::read_usage_journal(
+        &agent_state_dir.join("runtime").join("gpu-usage.jsonl"),
+    ) else {
+        return;
+    };
+    for r in records {
+        if let node_agent::runtime::UsageRecord::Start { pid, .. } = r {
+            // Only a live shim of this agent (its command line names the state directory):
+            // the pid of a finished one may belong to an unrelated process by now.
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if cmdline.contains("shim") && cmdline.contains(&*agent_state_dir.to_string_lossy()) {
+                // SAFETY: kill(2) with a negative pid signals the shim's process group.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+            }
         }
     }
 }

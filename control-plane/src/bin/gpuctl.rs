@@ -3,6 +3,13 @@
 use clap::Parser;
 
 fn main() {
+    // `gpuctl shim ...` is the workload supervisor of `gpuctl agent` (simulated hosts of
+    // `gpuctl dev`); its arguments end with the workload's own command, so no flag parsing.
+    let mut args = std::env::args().skip(1);
+    if args.next().as_deref() == Some("shim") {
+        let code = node_agent::runtime::shim_main(args.collect());
+        std::process::exit(code);
+    }
     let cli = control_plane::cli::Cli::parse();
     if let Err(e) = control_plane::cli::main(cli) {
         // Errors from the API carry a message meant for people; show it plainly with its code.

@@ -20,6 +20,14 @@ pub struct DevArgs {
     pub base_port: u16,
     #[arg(long, default_value_t = 3)]
     pub replicas: u16,
+    /// Simulated GPU hosts to start, as presets (comma-separated; empty for none):
+    /// dgx-h100, dgx1-v100, a100-pcie-4gpu-nvlink-pairs, pcie-8gpu-2socket.
+    #[arg(
+        long,
+        default_value = "dgx-h100,pcie-8gpu-2socket",
+        value_delimiter = ','
+    )]
+    pub hosts: Vec<String>,
 }
 
 pub fn run(args: DevArgs) -> anyhow::Result<()> {
@@ -32,6 +40,26 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports: Vec<u16> = (0..args.replicas).map(|i| args.base_port + i).collect();
     let mut cluster = LocalCluster::new(&exe, &["replica"], &data_dir, "dev", &ports);
+    cluster.agent_program = Some((exe.clone(), vec!["agent".into()]));
+    for (i, preset) in args.hosts.iter().filter(|h| !h.is_empty()).enumerate() {
+        if node_agent::gpu::simulated::preset(preset).is_none() {
+            let names: Vec<&str> = node_agent::gpu::simulated::PRESETS
+                .iter()
+                .map(|p| p.name)
+                .collect();
+            bail!(
+                "--hosts: {preset:?} is not a preset; known: {}",
+                names.join(", ")
+            );
+        }
+        let port = args.base_port + 100 + i as u16;
+        cluster.add_agent(
+            &format!("{preset}-{}", i + 1),
+            preset,
+            port,
+            &["--stop-grace-secs", "10"],
+        );
+    }
     cluster.start_all()?;
 
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -54,6 +82,10 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
                 Err(_) => {}
             }
         };
+        let names: Vec<String> = cluster.agents.keys().cloned().collect();
+        for name in &names {
+            cluster.start_agent(name)?;
+        }
         println!(
             "gpu-control-plane dev cluster is up: {} replicas, leader is replica {} (term {}), ready in {:.1} s.",
             args.replicas,
@@ -62,11 +94,16 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
             started.elapsed().as_secs_f64()
         );
         println!("  replicas:  {}", cluster.endpoints().join("  "));
+        if !names.is_empty() {
+            println!("  simulated GPU hosts: {} (see `gpuctl nodes`)", names.join(", "));
+        }
         println!("  data/logs: {}", data_dir.display());
         println!();
         println!("In another terminal (gpuctl finds these replicas by default; elsewhere set {ENDPOINTS_ENV}):");
-        println!("  gpuctl submit --gpus 2 --time 1:00:00 -- python train.py");
+        println!("  gpuctl submit --gpus 2 --time 1:00:00 -- sh -c 'echo $CUDA_VISIBLE_DEVICES; sleep 30'");
         println!("  gpuctl queue");
+        println!("  gpuctl nodes");
+        println!("  gpuctl logs 1");
         println!("  gpuctl cluster status");
         println!();
         println!("Ctrl-C stops the cluster.");
@@ -86,10 +123,7 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
         println!("\nstopping replicas...");
         Ok(())
     })?;
-    let ids: Vec<u64> = cluster.replicas.keys().copied().collect();
-    for id in ids {
-        cluster.stop(id, Duration::from_secs(5))?;
-    }
+    drop(cluster);
     println!("stopped.");
     Ok(())
 }

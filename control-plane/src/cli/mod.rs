@@ -118,6 +118,9 @@ pub enum Command {
     /// Run one control-plane replica (what `gpuctl dev` starts; same flags as `control-plane`).
     #[command(hide = true)]
     Replica(ReplicaArgs),
+    /// Run a node agent (what `gpuctl dev` starts for simulated hosts; same flags as `node-agent`).
+    #[command(hide = true)]
+    Agent(node_agent::agent::cli::AgentArgs),
 }
 
 #[derive(clap::Args)]
@@ -222,6 +225,10 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
             return crate::server::run_replica_process(args, crate::config::Defaults::LOG_FILTER);
         }
         Command::Dev(args) => return dev::run(args),
+        Command::Agent(args) => {
+            let exe = std::env::current_exe().context("finding gpuctl's own path")?;
+            return node_agent::agent::cli::run_agent_process(args, exe, vec!["shim".into()]);
+        }
         Command::Bench { command, keep_data } => return bench::run(command, keep_data, cli.output),
         _ => {}
     }
@@ -343,7 +350,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Logs { job, tail } => node::logs(&mut client, job, tail).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,
-        Command::Dev(_) | Command::Replica(_) | Command::Bench { .. } => {
+        Command::Dev(_) | Command::Replica(_) | Command::Agent(_) | Command::Bench { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }

@@ -269,6 +269,37 @@ fn stop_escalates_to_sigkill_when_sigterm_is_ignored() {
 }
 
 #[test]
+fn a_job_that_traps_sigterm_gets_it_and_can_checkpoint() {
+    // Checkpointing jobs catch SIGTERM; the shim must not leave it blocked for them.
+    let state = tempfile::tempdir().expect("tempdir");
+    let work = tempfile::tempdir().expect("tempdir");
+    let mut rt = Runtime::open(config(state.path())).expect("open");
+    rt.launch(spec(
+        15,
+        &["GPU-a"],
+        work.path(),
+        "trap 'touch \"$WORK/checkpointed\"; exit 0' TERM; touch \"$WORK/ready\"; sleep 30 & wait",
+    ))
+    .expect("launch");
+    wait_until("the command to install its trap", || {
+        work.path().join("ready").exists()
+    });
+    let t0 = Instant::now();
+    rt.stop(15, StopReason::Requested).expect("stop");
+    let (kind, _) = wait_for_exit(&mut rt, 15);
+    assert_eq!(kind, ExitKind::Stopped);
+    assert!(
+        work.path().join("checkpointed").exists(),
+        "the job never saw SIGTERM"
+    );
+    assert!(
+        t0.elapsed() < GRACE,
+        "it took the SIGKILL: {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
 fn stop_kills_the_whole_process_group() {
     let state = tempfile::tempdir().expect("tempdir");
     let work = tempfile::tempdir().expect("tempdir");

@@ -147,3 +147,100 @@ pub fn gpuctl(c: &LocalCluster, args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Replica flags that make node leases short enough for tests.
+pub const FAST_LEASES: [&str; 6] = [
+    "--node-lease-ms",
+    "1500",
+    "--node-grace-ms",
+    "1500",
+    "--agent-heartbeat-ms",
+    "200",
+];
+pub const LEASE_MS: u64 = 1500;
+
+/// Starts three replicas with short node leases and one simulated host per (name, preset).
+pub async fn start_with_agents(agents: &[(&str, &str)]) -> TestCluster {
+    let mut c = describe(3, &FAST_LEASES);
+    c.agent_program = Some((gpuctl_bin(), vec!["agent".into()]));
+    let ports = free_ports(agents.len()).expect("ports");
+    for ((name, preset), port) in agents.iter().zip(ports) {
+        c.add_agent(name, preset, port, &["--stop-grace-secs", "1"]);
+    }
+    c.start_all().expect("starting replicas");
+    c.wait_for_leader(LEADER_TIMEOUT).await.expect("a leader");
+    for (name, _) in agents {
+        c.start_agent(name).expect("starting agent");
+    }
+    let mut client = c.client().unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let nodes = list_nodes(&mut client).await;
+        if agents
+            .iter()
+            .all(|(n, _)| nodes.iter().any(|x| x.name == *n && x.status == "ready"))
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "agents did not register: {nodes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c
+}
+
+pub async fn list_nodes(client: &mut Client) -> Vec<pb::Node> {
+    client
+        .call(|mut c, t| async move {
+            c.list_nodes(with_timeout(pb::ListNodesRequest { read: None }, t))
+                .await
+        })
+        .await
+        .expect("listing nodes")
+        .nodes
+}
+
+pub async fn get_job(client: &mut Client, id: u64) -> pb::Job {
+    client
+        .call(|mut c, t| async move {
+            c.get_job(with_timeout(pb::GetJobRequest { id, read: None }, t))
+                .await
+        })
+        .await
+        .expect("getting a job")
+}
+
+/// Polls a job until `pred` holds (or panics after `timeout`, showing the job).
+pub async fn wait_job(
+    client: &mut Client,
+    id: u64,
+    timeout: Duration,
+    what: &str,
+    pred: impl Fn(&pb::Job) -> bool,
+) -> pb::Job {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let job = get_job(client, id).await;
+        if pred(&job) {
+            return job;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "job {id} never {what}: {job:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub fn shell_job(gpus: i64, script: &str) -> pb::JobSpec {
+    pb::JobSpec {
+        command: vec!["sh".into(), "-c".into(), script.into()],
+        ..spec("shell", gpus)
+    }
+}
+
+pub fn now_ms() -> u64 {
+    control_plane::replica::now_ms()
+}

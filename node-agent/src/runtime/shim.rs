@@ -247,6 +247,25 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
         .stdin(Stdio::null())
         .stdout(stdout)
         .stderr(stderr);
+    // The command must start with the shielded signals unblocked and at their default
+    // disposition: a job that traps SIGTERM to checkpoint would otherwise never see it
+    // (the child inherits the mask blocked below; std does not reset it on this path).
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: runs between fork and exec in the child; sigemptyset, pthread_sigmask and
+        // signal are async-signal-safe and touch only the child.
+        unsafe {
+            command.pre_exec(|| {
+                let mut empty: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut empty);
+                libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+                for signal in SHIELDED_SIGNALS {
+                    libc::signal(signal, libc::SIG_DFL);
+                }
+                Ok(())
+            });
+        }
+    }
 
     let previous_mask = block_shielded_signals();
     let spawned = command.spawn();

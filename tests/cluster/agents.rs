@@ -1,0 +1,498 @@
+//! Real agents on simulated GPU hosts running real processes: device binding, no GPU shared,
+//! agent crashes and restarts, Xid faults, time limits, drains, and a leader failover that
+//! must not disturb running jobs.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use control_plane::client::with_timeout;
+use node_agent::runtime::{UsageRecord, check_no_overlap, read_usage_journal};
+use proto::v1 as pb;
+
+use crate::util::*;
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn journal(c: &TestCluster, agent: &str) -> Vec<UsageRecord> {
+    read_usage_journal(&c.agents[agent].usage_journal()).unwrap_or_default()
+}
+
+fn starts_of(records: &[UsageRecord], job: u64) -> Vec<(u64, Vec<String>)> {
+    records
+        .iter()
+        .filter_map(|r| match r {
+            UsageRecord::Start {
+                allocation,
+                job: j,
+                gpus,
+                ..
+            } if *j == job => Some((*allocation, gpus.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn marker(c: &TestCluster, name: &str) -> std::path::PathBuf {
+    c.root.join(name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_sees_exactly_its_own_gpus() {
+    let c = start_with_agents(&[("a100", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let out = marker(&c, "env");
+    std::fs::create_dir_all(&out).unwrap();
+
+    step("two 2-GPU jobs that record the devices they see");
+    let script = format!(
+        "echo \"$CUDA_VISIBLE_DEVICES|$NVIDIA_VISIBLE_DEVICES|$GPUCP_GPUS\" > {}/$GPUCP_JOB_ID; sleep 0.5",
+        out.display()
+    );
+    let a = submit(&mut client, shell_job(2, &script), "")
+        .await
+        .unwrap()
+        .id;
+    let b = submit(&mut client, shell_job(2, &script), "")
+        .await
+        .unwrap()
+        .id;
+    for id in [a, b] {
+        wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+            j.state == "succeeded"
+        })
+        .await;
+    }
+
+    step("each saw its allocation's GPUs and nothing else; each got an NVLink pair");
+    let nodes = list_nodes(&mut client).await;
+    let index_of = |uuid: &str| {
+        nodes[0]
+            .gpus
+            .iter()
+            .find(|g| g.uuid == uuid)
+            .map(|g| g.index)
+            .unwrap()
+    };
+    let records = journal(&c, "a100");
+    let mut seen = Vec::new();
+    for id in [a, b] {
+        let starts = starts_of(&records, id);
+        assert_eq!(starts.len(), 1, "job {id} started {starts:?}");
+        let gpus = starts[0].1.clone();
+        let line = std::fs::read_to_string(out.join(id.to_string())).unwrap();
+        let parts: Vec<&str> = line.trim().split('|').collect();
+        assert_eq!(parts[0], gpus.join(","), "CUDA_VISIBLE_DEVICES of job {id}");
+        assert_eq!(
+            parts[1],
+            gpus.join(","),
+            "NVIDIA_VISIBLE_DEVICES of job {id}"
+        );
+        let mut idx: Vec<u32> = gpus.iter().map(|u| index_of(u)).collect();
+        idx.sort_unstable();
+        assert!(
+            idx == vec![0, 1] || idx == vec![2, 3],
+            "job {id} got GPUs {idx:?}, not an NVLink pair"
+        );
+        seen.extend(gpus);
+    }
+    let distinct: BTreeSet<&String> = seen.iter().collect();
+    assert_eq!(distinct.len(), 4, "the two jobs shared a GPU: {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_two_processes_ever_share_a_gpu() {
+    let c = start_with_agents(&[
+        ("h100", "dgx-h100"),
+        ("a100", "a100-pcie-4gpu-nvlink-pairs"),
+    ])
+    .await;
+    let mut client = c.client().unwrap();
+    step("40 jobs of 1-4 GPUs on 12 GPUs");
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let gpus = 1 + (i % 4);
+        ids.push(
+            submit(&mut client, shell_job(gpus, "sleep 0.2"), &format!("k{i}"))
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    for id in &ids {
+        wait_job(
+            &mut client,
+            *id,
+            Duration::from_secs(60),
+            "succeeded",
+            |j| j.state == "succeeded",
+        )
+        .await;
+    }
+    step("the agents' own records show no overlap and one run per job");
+    let mut all = Vec::new();
+    for agent in ["h100", "a100"] {
+        let records = journal(&c, agent);
+        check_no_overlap(&records).unwrap_or_else(|e| panic!("agent {agent}: {e}"));
+        all.extend(records);
+    }
+    for id in &ids {
+        assert_eq!(starts_of(&all, *id).len(), 1, "job {id} ran more than once");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_agents_job_moves_only_after_its_lease_and_never_runs_twice() {
+    let mut c = start_with_agents(&[
+        ("n1", "a100-pcie-4gpu-nvlink-pairs"),
+        ("n2", "a100-pcie-4gpu-nvlink-pairs"),
+    ])
+    .await;
+    let mut client = c.client().unwrap();
+    let m = marker(&c, "runs");
+    let script = format!(
+        "echo \"start $GPUCP_ALLOCATION_ID $(date +%s%3N)\" >> {m}; \
+         trap 'echo \"stop $GPUCP_ALLOCATION_ID $(date +%s%3N)\" >> {m}; exit 143' TERM; \
+         sleep 60 & wait",
+        m = m.display()
+    );
+    let id = submit(&mut client, shell_job(4, &script), "")
+        .await
+        .unwrap()
+        .id;
+    let running = wait_job(&mut client, id, JOB_TIMEOUT, "running", |j| {
+        j.state == "running"
+    })
+    .await;
+    let first = running.allocations[0].clone();
+
+    step("SIGKILL the agent running the job");
+    let killed_at = now_ms();
+    c.kill_agent(&first.node).unwrap();
+
+    step("the job runs again on the other node");
+    let moved = wait_job(&mut client, id, JOB_TIMEOUT, "ran again elsewhere", |j| {
+        j.state == "running" && j.allocations.first().is_some_and(|a| a.id != first.id)
+    })
+    .await;
+    let second = moved.allocations[0].clone();
+    assert_ne!(second.node, first.node);
+    assert!(
+        moved.history.iter().any(|h| h.reason.contains("requeued")),
+        "{:?}",
+        moved.history
+    );
+
+    step("the first copy stopped (fenced by its shim) before the second started, after the lease");
+    let lines = std::fs::read_to_string(&m).unwrap();
+    let at = |what: &str, alloc: u64| -> u64 {
+        lines
+            .lines()
+            .find_map(|l| {
+                let p: Vec<&str> = l.split_whitespace().collect();
+                (p[0] == what && p[1] == alloc.to_string()).then(|| p[2].parse().unwrap())
+            })
+            .unwrap_or_else(|| panic!("no {what} of allocation {alloc} in:\n{lines}"))
+    };
+    let first_stop = at("stop", first.id);
+    let second_start = at("start", second.id);
+    assert!(first_stop < second_start, "two copies overlapped:\n{lines}");
+    assert!(
+        second_start >= killed_at + LEASE_MS,
+        "requeued before the lease expired:\n{lines}"
+    );
+    client
+        .call(|mut c, t| async move {
+            c.cancel_job(with_timeout(
+                pb::CancelJobRequest {
+                    id,
+                    reason: String::new(),
+                },
+                t,
+            ))
+            .await
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_keeps_its_job_running_and_reports_its_exit_once() {
+    let mut c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let m = marker(&c, "restart");
+    let script = format!(
+        "echo start >> {m}; sleep 3; echo end >> {m}",
+        m = m.display()
+    );
+    let id = submit(&mut client, shell_job(1, &script), "")
+        .await
+        .unwrap()
+        .id;
+    wait_job(&mut client, id, JOB_TIMEOUT, "running", |j| {
+        j.state == "running"
+    })
+    .await;
+
+    step("SIGKILL the agent and start it again at once");
+    c.kill_agent("n1").unwrap();
+    c.start_agent("n1").unwrap();
+
+    let done = wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state.as_str() == "succeeded"
+    })
+    .await;
+    let lines = std::fs::read_to_string(&m).unwrap();
+    assert_eq!(lines, "start\nend\n", "the job was restarted or cut short");
+    let states: Vec<&str> = done.history.iter().map(|h| h.state.as_str()).collect();
+    assert_eq!(
+        states,
+        vec!["pending", "scheduled", "running", "succeeded"],
+        "{:?}",
+        done.history
+    );
+    assert!(
+        c.agent_log("n1").contains("re-adopted"),
+        "{}",
+        c.agent_log("n1")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_79_cordons_the_gpu_and_requeues_the_job_and_an_xid_13_fails_it() {
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let id = submit(&mut client, shell_job(1, "sleep 60"), "")
+        .await
+        .unwrap()
+        .id;
+    let job = wait_job(&mut client, id, JOB_TIMEOUT, "running", |j| {
+        j.state == "running"
+    })
+    .await;
+    let first = job.allocations[0].clone();
+    let nodes = list_nodes(&mut client).await;
+    let gpu = nodes[0]
+        .gpus
+        .iter()
+        .find(|g| g.uuid == first.gpus[0])
+        .unwrap()
+        .index;
+
+    step(&format!("inject Xid 79 on GPU {gpu}, which runs the job"));
+    let (ok, _, err) = gpuctl(
+        &c,
+        &[
+            "node",
+            "inject",
+            "n1",
+            "--gpu",
+            &gpu.to_string(),
+            "--xid",
+            "79",
+        ],
+    );
+    assert!(ok, "{err}");
+    let moved = wait_job(
+        &mut client,
+        id,
+        JOB_TIMEOUT,
+        "requeued onto another GPU",
+        |j| j.state == "running" && j.allocations.first().is_some_and(|a| a.id != first.id),
+    )
+    .await;
+    assert_ne!(moved.allocations[0].gpus, first.gpus);
+    let nodes = list_nodes(&mut client).await;
+    let g = nodes[0].gpus.iter().find(|g| g.index == gpu).unwrap();
+    assert_eq!(g.health, "unhealthy", "{g:?}");
+    assert!(g.health_reason.contains("79"), "{g:?}");
+
+    step("the GPU recovers and returns to service");
+    let (ok, _, err) = gpuctl(
+        &c,
+        &[
+            "node",
+            "inject",
+            "n1",
+            "--gpu",
+            &gpu.to_string(),
+            "--recover",
+        ],
+    );
+    assert!(ok, "{err}");
+    let deadline = tokio::time::Instant::now() + JOB_TIMEOUT;
+    loop {
+        let nodes = list_nodes(&mut client).await;
+        if nodes[0]
+            .gpus
+            .iter()
+            .any(|g| g.index == gpu && g.health == "healthy")
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "GPU {gpu} never recovered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    step("an Xid 13 (application error) fails the job and leaves the GPU healthy");
+    let nodes = list_nodes(&mut client).await;
+    let now_gpu = nodes[0]
+        .gpus
+        .iter()
+        .find(|g| g.uuid == moved.allocations[0].gpus[0])
+        .unwrap()
+        .index;
+    let (ok, _, err) = gpuctl(
+        &c,
+        &[
+            "node",
+            "inject",
+            "n1",
+            "--gpu",
+            &now_gpu.to_string(),
+            "--xid",
+            "13",
+        ],
+    );
+    assert!(ok, "{err}");
+    let failed = wait_job(&mut client, id, JOB_TIMEOUT, "failed", |j| {
+        j.state == "failed"
+    })
+    .await;
+    assert!(
+        failed.history.last().unwrap().reason.contains("13"),
+        "{:?}",
+        failed.history
+    );
+    let nodes = list_nodes(&mut client).await;
+    assert!(
+        nodes[0].gpus.iter().all(|g| g.health == "healthy"),
+        "{:?}",
+        nodes[0].gpus
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_past_its_time_limit_is_killed_and_reported_timed_out() {
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let job = pb::JobSpec {
+        time_limit_secs: 1,
+        ..shell_job(1, "sleep 60")
+    };
+    let id = submit(&mut client, job, "").await.unwrap().id;
+    let done = wait_job(&mut client, id, JOB_TIMEOUT, "timed out", |j| {
+        j.state == "timed_out"
+    })
+    .await;
+    let ran = done
+        .history
+        .iter()
+        .find(|h| h.state == "running")
+        .unwrap()
+        .at_ms;
+    let ended = done.history.last().unwrap().at_ms;
+    assert!(ended - ran < 10_000, "took {} ms", ended - ran);
+    let nodes = list_nodes(&mut client).await;
+    assert!(
+        nodes[0].gpus.iter().all(|g| g.allocation == 0),
+        "GPUs still held"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_failover_does_not_restart_running_jobs() {
+    let mut c = start_with_agents(&[("n1", "dgx-h100")]).await;
+    let mut client = c.client().unwrap();
+    let m = marker(&c, "failover");
+    let script = format!(
+        "echo \"start $GPUCP_JOB_ID\" >> {m}; sleep 4; echo \"end $GPUCP_JOB_ID\" >> {m}",
+        m = m.display()
+    );
+    let a = submit(&mut client, shell_job(2, &script), "")
+        .await
+        .unwrap()
+        .id;
+    let b = submit(&mut client, shell_job(2, &script), "")
+        .await
+        .unwrap()
+        .id;
+    for id in [a, b] {
+        wait_job(&mut client, id, JOB_TIMEOUT, "running", |j| {
+            j.state == "running"
+        })
+        .await;
+    }
+    step("SIGKILL the leader while both run");
+    let leader = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap().leader;
+    c.kill(leader).unwrap();
+    c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
+    for id in [a, b] {
+        let done = wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+            j.state == "succeeded"
+        })
+        .await;
+        assert!(
+            !done.history.iter().any(|h| h.reason.contains("requeued")),
+            "{:?}",
+            done.history
+        );
+    }
+    let lines = std::fs::read_to_string(&m).unwrap();
+    for id in [a, b] {
+        assert_eq!(
+            lines.matches(&format!("start {id}\n")).count(),
+            1,
+            "{lines}"
+        );
+        assert_eq!(lines.matches(&format!("end {id}\n")).count(), 1, "{lines}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_with_evict_moves_work_and_undrain_restores_the_node() {
+    let c = start_with_agents(&[
+        ("n1", "a100-pcie-4gpu-nvlink-pairs"),
+        ("n2", "a100-pcie-4gpu-nvlink-pairs"),
+    ])
+    .await;
+    let mut client = c.client().unwrap();
+    let id = submit(&mut client, shell_job(4, "sleep 60"), "")
+        .await
+        .unwrap()
+        .id;
+    let job = wait_job(&mut client, id, JOB_TIMEOUT, "running", |j| {
+        j.state == "running"
+    })
+    .await;
+    let from = job.allocations[0].node.clone();
+
+    step(&format!("drain {from} with --evict"));
+    let (ok, _, err) = gpuctl(&c, &["node", "drain", &from, "--evict"]);
+    assert!(ok, "{err}");
+    let moved = wait_job(&mut client, id, JOB_TIMEOUT, "moved", |j| {
+        j.state == "running" && j.allocations.first().is_some_and(|a| a.node != from)
+    })
+    .await;
+    assert!(
+        moved.history.iter().any(|h| h.reason.contains("evicted")),
+        "{:?}",
+        moved.history
+    );
+    let nodes = list_nodes(&mut client).await;
+    assert_eq!(
+        nodes.iter().find(|n| n.name == from).unwrap().status,
+        "drained"
+    );
+
+    step("undrain");
+    let (ok, _, err) = gpuctl(&c, &["node", "undrain", &from]);
+    assert!(ok, "{err}");
+    let nodes = list_nodes(&mut client).await;
+    assert_eq!(
+        nodes.iter().find(|n| n.name == from).unwrap().status,
+        "ready"
+    );
+}

@@ -2,11 +2,14 @@
 //!
 //! Layout (each folder readable alone):
 //! - `state/`: the replicated state machine — plain data and a deterministic `apply`.
+//! - `scheduler/`: pure placement policy — `plan(&ClusterState, now)`.
+//! - `leader/`: loops only the leader runs — scheduling passes, node liveness (leases).
 //! - `raft/`: openraft wiring — type config, sled log store and state machine, peer network.
-//! - `api/`: gRPC services for clients; validation, leader forwarding, wire conversions.
-//! - `server`: one replica process — config, data directory, Raft, API.
+//! - `api/`: gRPC services for clients and agents; validation, leader forwarding, conversions.
+//! - `replica`, `server`, `config`, `datadir`: one replica process and its data directory.
 //! - `client`: the client library `gpuctl` and tests use (endpoint failover, retries).
-//! - `cli/`: `gpuctl`'s commands and their output.
+//! - `cli/`: `gpuctl`'s commands and their output, `gpuctl dev` and `gpuctl bench`.
+//! - `local_cluster`: replicas and simulated hosts as local processes (dev, benches, tests).
 //! - `telemetry`: tracing and the optional OTLP export.
 
 pub mod api;

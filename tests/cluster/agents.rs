@@ -97,6 +97,24 @@ async fn a_job_sees_exactly_its_own_gpus() {
     }
     let distinct: BTreeSet<&String> = seen.iter().collect();
     assert_eq!(distinct.len(), 4, "the two jobs shared a GPU: {seen:?}");
+
+    step("gpuctl logs shows a job's output, fetched from its node");
+    let id = submit(
+        &mut client,
+        shell_job(1, "echo hello-from-the-job; echo oops >&2"),
+        "",
+    )
+    .await
+    .unwrap()
+    .id;
+    wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+    let (ok, out, err) = gpuctl(&c, &["logs", &id.to_string()]);
+    assert!(ok, "{err}");
+    assert_eq!(out, "hello-from-the-job\n");
+    assert_eq!(err, "oops\n");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

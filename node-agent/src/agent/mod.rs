@@ -566,24 +566,22 @@ async fn assignment_loop(agent: Arc<Agent>, control: ControlPlane) {
                 }
             };
             tracing::info!(%endpoint, "following assignments");
-            loop {
-                match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
-                    Ok(Ok(Some(set))) => {
-                        let admitted = {
-                            let mut st = agent.lock();
-                            let ok = st.fence.admit(&set);
-                            if ok {
-                                st.last_set = Some(set);
-                            }
-                            ok
-                        };
-                        if admitted {
-                            agent.reconcile_now();
-                        } else {
-                            tracing::warn!(%endpoint, "ignored assignments from an older leader");
-                        }
+            // The leader re-sends the set every second; five silent seconds mean it is gone.
+            while let Ok(Ok(Some(set))) =
+                tokio::time::timeout(Duration::from_secs(5), stream.message()).await
+            {
+                let admitted = {
+                    let mut st = agent.lock();
+                    let ok = st.fence.admit(&set);
+                    if ok {
+                        st.last_set = Some(set);
                     }
-                    Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
+                    ok
+                };
+                if admitted {
+                    agent.reconcile_now();
+                } else {
+                    tracing::warn!(%endpoint, "ignored assignments from an older leader");
                 }
             }
         }

@@ -11,19 +11,22 @@ pub enum Action {
     Stop(u64),
 }
 
-/// Fencing state: the highest term an assignment set came from.
+/// Fencing state: the newest (term, epoch) an assignment set came with.
 #[derive(Debug, Default, Clone)]
 pub struct Fence {
     pub term: u64,
+    pub epoch: u64,
 }
 
 impl Fence {
-    /// Whether a set may be acted on: never one from an older leader than one already obeyed.
+    /// Whether a set may be acted on: never one from an older leader than one already obeyed,
+    /// nor, from the same leader, one older than the newest allocation epoch already seen.
     pub fn admit(&mut self, set: &Assignments) -> bool {
-        if set.term < self.term {
+        if (set.term, set.epoch) < (self.term, self.epoch) {
             return false;
         }
         self.term = set.term;
+        self.epoch = set.epoch;
         true
     }
 }
@@ -105,5 +108,13 @@ mod tests {
         assert!(f.admit(&set(3, &[])));
         assert!(f.admit(&set(4, &[])));
         assert_eq!(f.term, 4);
+    }
+
+    #[test]
+    fn a_set_older_than_the_newest_epoch_of_the_same_leader_is_ignored() {
+        let mut f = Fence::default();
+        assert!(f.admit(&set(2, &[5, 7])));
+        assert!(!f.admit(&set(2, &[5])), "epoch 5 < 7 from the same term");
+        assert!(f.admit(&set(3, &[1])), "a newer leader decides anew");
     }
 }

@@ -222,6 +222,8 @@ impl Agent {
                             tracing::info!(allocation = a.allocation_id, job = a.job_id, gpus = ?a.gpus, "launched");
                             st.job_allocations.insert(a.job_id, a.allocation_id);
                         }
+                        // Already started in this or an earlier life of the agent: never twice.
+                        Err(crate::runtime::RuntimeError::AlreadyKnown(_)) => {}
                         Err(e) => {
                             tracing::warn!(allocation = a.allocation_id, error = %e, "launch failed");
                             st.finished.insert(a.allocation_id);
@@ -262,7 +264,18 @@ impl Agent {
     }
 
     fn tick(&self) {
-        let events = self.lock().runtime.poll();
+        // Poll and record exits under one lock, so a reconcile in between never sees an
+        // allocation that is neither live nor finished (and tries to start it again).
+        let events = {
+            let mut st = self.lock();
+            let events = st.runtime.poll();
+            for ev in &events {
+                if let RuntimeEvent::Exited { allocation_id, .. } = ev {
+                    st.finished.insert(*allocation_id);
+                }
+            }
+            events
+        };
         for ev in events {
             match ev {
                 RuntimeEvent::Started { allocation_id, pid } => {

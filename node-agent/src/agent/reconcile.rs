@@ -105,7 +105,7 @@ mod tests {
         let mut f = Fence::default();
         assert!(f.admit(&set(3, &[1])));
         assert!(!f.admit(&set(2, &[])));
-        assert!(f.admit(&set(3, &[])));
+        assert!(f.admit(&set(3, &[1])));
         assert!(f.admit(&set(4, &[])));
         assert_eq!(f.term, 4);
     }

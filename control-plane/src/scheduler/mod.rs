@@ -69,6 +69,11 @@ pub fn plan(state: &ClusterState, _now: Timestamp) -> Vec<JobPlacement> {
         .filter(|n| n.status == NodeStatus::Ready)
         .map(|n| (n.spec.name.as_str(), NodeFree::of(state, n)))
         .collect();
+    // Nothing free anywhere: skip ordering the queue (a pass runs after every applied entry,
+    // and a long queue on a full cluster must not cost a sort each time).
+    if free.values().all(|f| f.gpus.is_empty() && f.cpu_milli == 0) {
+        return Vec::new();
+    }
     let mut placements = Vec::new();
     for job in queue_order(state) {
         if !dependencies_met(state, job) {

@@ -214,6 +214,7 @@ impl ReplicaArgs {
                 "--agent-heartbeat-ms ({heartbeat}) must be positive and at most half of --node-lease-ms ({lease})"
             );
         }
+        let election_max_ms = tuning.election_max_ms;
         Ok(ReplicaConfig {
             id,
             listen,
@@ -246,6 +247,8 @@ impl ReplicaArgs {
                     .schedule_interval_ms
                     .or(file.schedule_interval_ms)
                     .unwrap_or(Defaults::SCHEDULE_INTERVAL_MS)),
+                // Two election timeouts: by then a majority without us may have elected anew.
+                max_quorum_silence: ms(2 * election_max_ms),
             },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
         })

@@ -167,24 +167,26 @@ impl LocalCluster {
             .append(true)
             .open(&a.log_path)?;
         let mut cmd = Command::new(&program);
-        cmd.args(&args)
-            .args([
-                "--name",
-                name,
-                "--simulated",
-                &a.preset,
-                "--listen",
-                &a.addr,
-                "--control-plane",
-                &endpoints,
-            ])
-            .arg("--state-dir")
-            .arg(&a.state_dir)
-            .args(&a.extra_args)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
+        cmd.args(&args);
+        // The node name defaults to the agent's key; extra args may name it otherwise.
+        if !a.extra_args.iter().any(|x| x == "--name") {
+            cmd.args(["--name", name]);
+        }
+        cmd.args([
+            "--simulated",
+            &a.preset,
+            "--listen",
+            &a.addr,
+            "--control-plane",
+            &endpoints,
+        ])
+        .arg("--state-dir")
+        .arg(&a.state_dir)
+        .args(&a.extra_args)
+        .envs(self.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
         // Not tied to our death: the point of an agent is that its workloads (and the agent,
         // under a service manager) outlive any one client. Drop stops it explicitly.
         a.child = Some(

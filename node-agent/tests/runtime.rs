@@ -25,6 +25,7 @@ fn config(state_dir: &Path) -> RuntimeConfig {
         shim_args: vec!["shim".to_string()],
         stop_grace: GRACE,
         lease_file: None,
+        fence_grace: GRACE,
     }
 }
 

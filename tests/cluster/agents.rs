@@ -514,3 +514,89 @@ async fn drain_with_evict_moves_work_and_undrain_restores_the_node() {
         "ready"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cancelled_before_its_agent_started_it_releases_its_gpus() {
+    let mut c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+
+    step("kill the agent; a job is placed on its node (still within the lease) and cancelled");
+    c.kill_agent("n1").unwrap();
+    let id = submit(&mut client, shell_job(4, "sleep 60"), "")
+        .await
+        .unwrap()
+        .id;
+    wait_job(&mut client, id, JOB_TIMEOUT, "placed", |j| {
+        !j.allocations.is_empty()
+    })
+    .await;
+    client
+        .call(|mut c, t| async move {
+            c.cancel_job(with_timeout(
+                pb::CancelJobRequest {
+                    id,
+                    reason: String::new(),
+                },
+                t,
+            ))
+            .await
+        })
+        .await
+        .unwrap();
+
+    step("the agent comes back: it never starts the job, and the GPUs are released");
+    c.start_agent("n1").unwrap();
+    let deadline = tokio::time::Instant::now() + JOB_TIMEOUT;
+    loop {
+        let nodes = list_nodes(&mut client).await;
+        if nodes[0].status == "ready" && nodes[0].gpus.iter().all(|g| g.allocation == 0) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "GPUs still held: {:?}",
+            nodes[0].gpus
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        starts_of(&journal(&c, "n1"), id).is_empty(),
+        "the cancelled job was started"
+    );
+    assert_eq!(get_job(&mut client, id).await.state, "cancelled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_claiming_a_live_nodes_name_is_refused() {
+    let mut c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let port = control_plane::local_cluster::free_ports(1).unwrap()[0];
+    // Another agent (its own state directory, so its own incarnation) under the same name.
+    c.add_agent(
+        "n1-impostor",
+        "a100-pcie-4gpu-nvlink-pairs",
+        port,
+        &["--name", "n1", "--fence-grace-ms", "500"],
+    );
+    c.start_agent("n1-impostor").unwrap();
+    let deadline = tokio::time::Instant::now() + JOB_TIMEOUT;
+    while !c
+        .agent_log("n1-impostor")
+        .contains("in use by another live agent")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "impostor not refused:\n{}",
+            c.agent_log("n1-impostor")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut client = c.client().unwrap();
+    let id = submit(&mut client, shell_job(1, "true"), "")
+        .await
+        .unwrap()
+        .id;
+    wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+}

@@ -28,6 +28,31 @@ pub struct TestCluster {
     pub _dir: TempDir,
 }
 
+impl Drop for TestCluster {
+    /// On a failing test, show the end of every process's log: CI keeps nothing else.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let tail = |text: String| {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(40)..].join("\n")
+        };
+        for id in self.cluster.replicas.keys().copied().collect::<Vec<_>>() {
+            eprintln!(
+                "----- replica {id} log (tail) -----\n{}",
+                tail(self.cluster.log(id))
+            );
+        }
+        for name in self.cluster.agents.keys().cloned().collect::<Vec<_>>() {
+            eprintln!(
+                "----- agent {name} log (tail) -----\n{}",
+                tail(self.cluster.agent_log(&name))
+            );
+        }
+    }
+}
+
 impl std::ops::Deref for TestCluster {
     type Target = LocalCluster;
     fn deref(&self) -> &LocalCluster {
@@ -165,7 +190,12 @@ pub async fn start_with_agents(agents: &[(&str, &str)]) -> TestCluster {
     c.agent_program = Some((gpuctl_bin(), vec!["agent".into()]));
     let ports = free_ports(agents.len()).expect("ports");
     for ((name, preset), port) in agents.iter().zip(ports) {
-        c.add_agent(name, preset, port, &["--stop-grace-secs", "1"]);
+        c.add_agent(
+            name,
+            preset,
+            port,
+            &["--stop-grace-secs", "1", "--fence-grace-ms", "500"],
+        );
     }
     c.start_all().expect("starting replicas");
     c.wait_for_leader(LEADER_TIMEOUT).await.expect("a leader");

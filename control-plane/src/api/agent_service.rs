@@ -22,13 +22,34 @@ use crate::state::{
     TaskOutcome,
 };
 
+/// How much shorter than the node grace an agent's fence grace must be.
+const FENCE_MARGIN_MS: u64 = 500;
+
 /// How often an unchanged assignment set is re-sent, so agents notice a dead stream quickly.
 const ASSIGNMENT_KEEPALIVE: Duration = Duration::from_secs(1);
+/// How often an open assignment stream re-checks that this replica still leads.
+const LEADERSHIP_CHECK: Duration = Duration::from_millis(100);
 
 pub struct AgentService {
     replica: Arc<Replica>,
     liveness: Arc<Liveness>,
     config: LeaderConfig,
+}
+
+/// Fails unless this replica leads *and* heard from a quorum recently. openraft 0.9 has no
+/// check-quorum step-down, so a leader cut off from the majority still believes it leads; if
+/// it kept renewing agent leases, an agent in its minority partition would never fence while
+/// the majority's leader places its jobs elsewhere.
+fn require_live_leader(r: &Replica, config: &LeaderConfig) -> Result<(), ApiError> {
+    r.require_leader()?;
+    let silent = r.raft.metrics().borrow().millis_since_quorum_ack;
+    match silent {
+        Some(ms) if ms <= config.max_quorum_silence.as_millis() as u64 => Ok(()),
+        _ => Err(ApiError::Unavailable(format!(
+            "replica {} has not heard from a quorum for {silent:?} ms; it cannot vouch for node leases",
+            r.id
+        ))),
+    }
 }
 
 impl AgentService {
@@ -77,6 +98,7 @@ fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
         topology: req.topology.into_iter().map(|r| r.links).collect(),
         agent_address: req.agent_address,
         driver: req.driver,
+        incarnation: req.incarnation,
     }
 }
 
@@ -85,7 +107,7 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
     let allocations = cluster
         .allocations
         .values()
-        .filter(|r| r.allocation.node == node && !r.stop_requested)
+        .filter(|r| r.allocation.node == node)
         .filter_map(|r| {
             let job = cluster.jobs.get(&r.allocation.job)?;
             Some(pa::Assignment {
@@ -98,6 +120,7 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                 gpus: r.allocation.gpus.clone(),
                 time_limit_secs: job.spec.time_limit_secs.unwrap_or(0),
                 term: r.allocation.term,
+                stop: r.stop_requested,
             })
         })
         .collect();
@@ -136,7 +159,29 @@ impl AgentApi for AgentService {
             r,
             request,
             |req| async move {
-                r.require_leader()?;
+                require_live_leader(r, config)?;
+                let node_grace = config.node_grace.as_millis() as u64;
+                if req.fence_grace_ms + FENCE_MARGIN_MS > node_grace {
+                    return Err(Rejection::precondition(format!(
+                        "the agent's fence grace ({} ms) must be at least {FENCE_MARGIN_MS} ms shorter than the control plane's node grace ({node_grace} ms): a fenced job could still be running when it is placed elsewhere",
+                        req.fence_grace_ms
+                    ))
+                    .into());
+                }
+                {
+                    let data = r.sm.read();
+                    if let Some(existing) = data.cluster.nodes.get(&req.name)
+                        && existing.spec.incarnation != req.incarnation
+                        && existing.status != NodeStatus::Down
+                        && liveness.silent_for(&req.name) < config.node_lease + config.node_grace
+                    {
+                        return Err(Rejection::precondition(format!(
+                            "node name {:?} is in use by another live agent (at {}); give this agent another --name, or stop the other one",
+                            req.name, existing.spec.agent_address
+                        ))
+                        .into());
+                    }
+                }
                 let spec = node_spec_from_proto(req);
                 crate::state::validate::validate_node_spec(&spec)?;
                 let name = spec.name.clone();
@@ -169,8 +214,19 @@ impl AgentApi for AgentService {
             r,
             request,
             |req| async move {
-                r.require_leader()?;
-                check_node_exists(&r.sm.read().cluster, &req.node)?;
+                require_live_leader(r, config)?;
+                {
+                    let data = r.sm.read();
+                    check_node_exists(&data.cluster, &req.node)?;
+                    let registered = &data.cluster.nodes[&req.node].spec.incarnation;
+                    if *registered != req.incarnation {
+                        return Err(Rejection::precondition(format!(
+                            "node {} is registered by another agent; re-register",
+                            req.node
+                        ))
+                        .into());
+                    }
+                }
                 liveness.heartbeat(&req.node);
                 Ok(pa::HeartbeatResponse {
                     term: r.raft.metrics().borrow().current_term,
@@ -190,8 +246,9 @@ impl AgentApi for AgentService {
         request: Request<pa::WatchAssignmentsRequest>,
     ) -> Result<Response<Self::WatchAssignmentsStream>, Status> {
         let r = self.replica.clone();
+        let config = self.config.clone();
         let node = request.into_inner().node;
-        r.require_leader().map_err(|e| error_status(&r, e))?;
+        require_live_leader(&r, &config).map_err(|e| error_status(&r, e))?;
         // Everything committed before this term must be applied first, or the first set could
         // omit a live allocation and make the agent stop it.
         r.linearize().await.map_err(|e| error_status(&r, e))?;
@@ -200,36 +257,35 @@ impl AgentApi for AgentService {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move {
             let mut applied = r.sm.watch_applied();
-            let mut metrics = r.raft.metrics();
+            let metrics = r.raft.metrics();
             let mut last: Option<pa::Assignments> = None;
+            let mut last_sent = tokio::time::Instant::now();
             loop {
                 {
                     let m = metrics.borrow();
-                    if m.state != ServerState::Leader || m.current_term != term {
+                    let quorum_silent = m
+                        .millis_since_quorum_ack
+                        .is_none_or(|ms| ms > config.max_quorum_silence.as_millis() as u64);
+                    if m.state != ServerState::Leader || m.current_term != term || quorum_silent {
                         let _ = tx.try_send(Err(Status::unavailable(
-                            "this replica stopped leading; reconnect",
+                            "this replica stopped leading (or lost its quorum); reconnect",
                         )));
                         return;
                     }
                 }
                 let set = assignments_for(&r.sm.read().cluster, &node, term);
-                if last.as_ref() != Some(&set) {
+                // Send on change, and resend an unchanged set as a keepalive.
+                if last.as_ref() != Some(&set) || last_sent.elapsed() >= ASSIGNMENT_KEEPALIVE {
                     if tx.send(Ok(set.clone())).await.is_err() {
                         return;
                     }
                     last = Some(set);
+                    last_sent = tokio::time::Instant::now();
                 }
+                // Leadership is re-checked at least every LEADERSHIP_CHECK.
                 tokio::select! {
                     _ = applied.changed() => {}
-                    _ = metrics.changed() => {}
-                    _ = tokio::time::sleep(ASSIGNMENT_KEEPALIVE) => {
-                        // Keepalive: resend the unchanged set.
-                        if let Some(set) = &last
-                            && tx.send(Ok(set.clone())).await.is_err()
-                        {
-                            return;
-                        }
-                    }
+                    _ = tokio::time::sleep(LEADERSHIP_CHECK) => {}
                 }
             }
         });
@@ -247,19 +303,19 @@ impl AgentApi for AgentService {
             request,
             |req| async move {
                 {
+                    // The node of an allocation never changes, so even a replica that is behind
+                    // answers this check correctly. A missing allocation is left to apply: this
+                    // replica may not have applied its placement yet, and apply's NotFound (an
+                    // exit reported before, or a node declared lost) is answered as success.
                     let data = r.sm.read();
-                    match data.cluster.allocations.get(&req.allocation_id) {
-                        // Already released (reported before, or the node was declared lost):
-                        // nothing left to do, and the agent may forget it.
-                        None => return Ok(pa::ReportResponse {}),
-                        Some(rec) if rec.allocation.node != req.node => {
-                            return Err(Rejection::precondition(format!(
-                                "allocation {} belongs to node {}, not {}",
-                                req.allocation_id, rec.allocation.node, req.node
-                            ))
-                            .into());
-                        }
-                        Some(_) => {}
+                    if let Some(rec) = data.cluster.allocations.get(&req.allocation_id)
+                        && rec.allocation.node != req.node
+                    {
+                        return Err(Rejection::precondition(format!(
+                            "allocation {} belongs to node {}, not {}",
+                            req.allocation_id, rec.allocation.node, req.node
+                        ))
+                        .into());
                     }
                 }
                 use pa::allocation_report::Event;

@@ -39,6 +39,19 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
     let data_dir = args.data_dir.canonicalize()?;
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports: Vec<u16> = (0..args.replicas).map(|i| args.base_port + i).collect();
+    // A replica that cannot bind exits, and clients would then reach whatever else holds the
+    // port (say, another `gpuctl dev`): refuse up front instead.
+    for port in ports
+        .iter()
+        .copied()
+        .chain((0..args.hosts.len() as u16).map(|i| args.base_port + 100 + i))
+    {
+        if let Err(e) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            bail!(
+                "port {port} is not free ({e}); is another `gpuctl dev` running? Use --base-port to pick other ports"
+            );
+        }
+    }
     let mut cluster = LocalCluster::new(&exe, &["replica"], &data_dir, "dev", &ports);
     cluster.agent_program = Some((exe.clone(), vec!["agent".into()]));
     for (i, preset) in args.hosts.iter().filter(|h| !h.is_empty()).enumerate() {

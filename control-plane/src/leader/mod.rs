@@ -33,6 +33,9 @@ pub struct LeaderConfig {
     pub agent_heartbeat: Duration,
     /// Scheduling passes run on every applied change, and at least this often.
     pub schedule_interval: Duration,
+    /// A leader that has not heard from a quorum for longer than this stops vouching for
+    /// node leases (heartbeats, assignment streams).
+    pub max_quorum_silence: Duration,
 }
 
 /// Watches Raft metrics and runs the leader loops while this replica leads.
@@ -90,6 +93,7 @@ async fn leader_loops(
     }
     let mut applied = replica.sm.watch_applied();
     let mut last_pass = Instant::now() - config.schedule_interval;
+    let mut last_liveness_check = Instant::now();
     loop {
         tokio::select! {
             _ = applied.changed() => {
@@ -148,7 +152,7 @@ async fn check_liveness(
     config: &LeaderConfig,
 ) -> Result<(), ApiError> {
     let limit = config.node_lease + config.node_grace;
-    let expired: Vec<(String, Duration)> = {
+    let expired: Vec<(String, Duration, u64)> = {
         let data = replica.sm.read();
         data.cluster
             .nodes
@@ -156,11 +160,11 @@ async fn check_liveness(
             .filter(|n| n.status != NodeStatus::Down)
             .filter_map(|n| {
                 let silent = liveness.silent_for(&n.spec.name);
-                (silent > limit).then(|| (n.spec.name.clone(), silent))
+                (silent > limit).then(|| (n.spec.name.clone(), silent, n.registered_at))
             })
             .collect()
     };
-    for (node, silent) in expired {
+    for (node, silent, registered_at) in expired {
         tracing::warn!(
             node,
             silent_ms = silent.as_millis() as u64,
@@ -172,7 +176,13 @@ async fn check_liveness(
             config.node_lease.as_secs_f64(),
             config.node_grace.as_secs_f64()
         );
-        replica.write(Command::NodeLost { node, reason }).await?;
+        replica
+            .write(Command::NodeLost {
+                node,
+                reason,
+                registered_at,
+            })
+            .await?;
     }
     Ok(())
 }

@@ -243,6 +243,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let bytes = snapshot.into_inner();
         let new_data: StateMachineData = serde_json::from_slice(&bytes)
             .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        if let Err(e) = new_data.cluster.check_consistency() {
+            return Err(StorageIOError::read_snapshot(
+                Some(meta.signature()),
+                &std::io::Error::other(format!("received snapshot is inconsistent: {e}")),
+            )
+            .into());
+        }
         let stored = StoredSnapshot {
             meta: meta.clone(),
             data: bytes,

@@ -74,6 +74,7 @@ impl World {
             topology: matrix(topology),
             agent_address: String::new(),
             driver: String::new(),
+            incarnation: String::new(),
         };
         assert_eq!(
             self.apply(Command::RegisterNode { spec }),

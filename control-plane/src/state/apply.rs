@@ -50,9 +50,18 @@ impl ClusterState {
                 evict,
                 reason,
             } => self.set_node_status(node, *status, *evict, reason, at, index, &mut changed),
-            Command::NodeLost { node, reason } => {
-                self.node_lost(node, reason, at, index, &mut changed)
-            }
+            Command::NodeLost {
+                node,
+                reason,
+                registered_at,
+            } => match self.nodes.get(node) {
+                Some(n) if n.registered_at != *registered_at => {
+                    Outcome::Rejected(Rejection::precondition(format!(
+                        "node {node} registered again since it was judged silent"
+                    )))
+                }
+                _ => self.node_lost(node, reason, at, index, &mut changed),
+            },
             Command::SetGpuHealth { node, gpu, health } => self.set_gpu_health(node, gpu, health),
             Command::PutPartition { partition } => match validate::validate_partition(partition) {
                 Ok(()) => {
@@ -250,16 +259,29 @@ impl ClusterState {
         for gpu in &spec.gpus {
             self.gpu_node.insert(gpu.uuid.clone(), spec.name.clone());
         }
-        let status = match self.nodes.get(&spec.name) {
-            Some(n) if n.status == NodeStatus::Drained => NodeStatus::Drained,
-            _ => NodeStatus::Ready,
+        let mut spec = spec.clone();
+        let drained = self.nodes.get(&spec.name).is_some_and(|n| n.drained);
+        if let Some(old) = self.nodes.get(&spec.name) {
+            // Health is the control plane's record (Xid reports, uncordon), not the agent's:
+            // a GPU that failed stays cordoned across an agent restart or re-registration.
+            for gpu in &mut spec.gpus {
+                if let Some(known) = old.spec.gpus.iter().find(|g| g.uuid == gpu.uuid) {
+                    gpu.health = known.health.clone();
+                }
+            }
+        }
+        let status = if drained {
+            NodeStatus::Drained
+        } else {
+            NodeStatus::Ready
         };
         self.nodes.insert(
             spec.name.clone(),
             Node {
-                spec: spec.clone(),
+                spec,
                 status,
                 registered_at: at,
+                drained,
             },
         );
         Outcome::NodeRegistered
@@ -514,7 +536,11 @@ impl ClusterState {
         if status == NodeStatus::Down {
             return self.node_lost(name, reason, at, index, changed);
         }
-        node.status = status;
+        node.drained = status == NodeStatus::Drained;
+        // A node that is down stays down until its agent registers again.
+        if node.status != NodeStatus::Down {
+            node.status = status;
+        }
         if evict {
             let reason = if reason.is_empty() {
                 "evicted: node drained"

@@ -45,6 +45,7 @@ fn node(name: &str, gpus: u32, model: &str) -> NodeBuilder {
             topology: Vec::new(),
             agent_address: String::new(),
             driver: String::new(),
+            incarnation: String::new(),
         },
     }
 }
@@ -1163,7 +1164,12 @@ fn register_node_forgets_a_dropped_free_gpu_so_another_node_can_claim_it() {
 #[test]
 fn register_node_keeps_drained_status_on_reregistration() {
     let mut h = Harness::fleet();
-    h.state.nodes.get_mut("a2").unwrap().status = NodeStatus::Drained;
+    h.apply(Command::SetNodeStatus {
+        node: "a2".into(),
+        status: NodeStatus::Drained,
+        evict: false,
+        reason: String::new(),
+    });
     h.register(node("a2", 4, "A100").spec());
     assert_eq!(h.state.nodes["a2"].status, NodeStatus::Drained);
     assert_eq!(h.state.nodes["a2"].registered_at, h.at);
@@ -1332,4 +1338,66 @@ fn a_rejected_command_at_an_unchanged_leader_time_leaves_the_state_byte_identica
     let applied = h.state.apply(&Command::cancel(1000, ""), at, h.index + 1);
     assert!(matches!(applied.outcome, Outcome::Rejected(_)));
     assert_eq!(serde_json::to_vec(&h.state).unwrap(), before);
+}
+
+#[test]
+fn re_registration_keeps_a_cordoned_gpu_cordoned_and_a_drained_node_drained() {
+    let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
+    let gpu = uuid("n1", 2);
+    h.apply(Command::SetGpuHealth {
+        node: "n1".into(),
+        gpu: gpu.clone(),
+        health: GpuHealth::Unhealthy {
+            reason: "Xid 79".into(),
+        },
+    });
+    h.apply(Command::SetNodeStatus {
+        node: "n1".into(),
+        status: NodeStatus::Drained,
+        evict: false,
+        reason: String::new(),
+    });
+    // The agent restarts and reports every GPU healthy, as agents do.
+    h.register(node("n1", 4, "H100").spec());
+    let n = &h.state.nodes["n1"];
+    assert_eq!(n.status, NodeStatus::Drained);
+    let g = n.spec.gpus.iter().find(|g| g.uuid == gpu).unwrap();
+    assert!(matches!(g.health, GpuHealth::Unhealthy { .. }), "{g:?}");
+}
+
+#[test]
+fn node_lost_is_refused_for_a_node_that_registered_again_since() {
+    let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
+    let judged = h.state.nodes["n1"].registered_at;
+    h.register(node("n1", 4, "H100").spec());
+    assert_ne!(h.state.nodes["n1"].registered_at, judged);
+    let applied = h.apply(Command::NodeLost {
+        node: "n1".into(),
+        reason: "silent".into(),
+        registered_at: judged,
+    });
+    assert!(
+        matches!(applied.outcome, Outcome::Rejected(_)),
+        "{:?}",
+        applied.outcome
+    );
+    assert_eq!(h.state.nodes["n1"].status, NodeStatus::Ready);
+}
+
+#[test]
+fn undrain_does_not_revive_a_node_that_is_down() {
+    let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
+    let registered_at = h.state.nodes["n1"].registered_at;
+    h.apply(Command::NodeLost {
+        node: "n1".into(),
+        reason: "silent".into(),
+        registered_at,
+    });
+    h.apply(Command::SetNodeStatus {
+        node: "n1".into(),
+        status: NodeStatus::Ready,
+        evict: false,
+        reason: String::new(),
+    });
+    assert_eq!(h.state.nodes["n1"].status, NodeStatus::Down);
 }

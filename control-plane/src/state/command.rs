@@ -90,6 +90,9 @@ pub enum Command {
     NodeLost {
         node: String,
         reason: String,
+        /// The registration the leader judged silent; a node that registered again since is
+        /// alive, and the command is refused.
+        registered_at: Timestamp,
     },
     /// A GPU became unhealthy (Xid, fell off the bus) or returned to service.
     SetGpuHealth {
@@ -172,7 +175,7 @@ impl fmt::Display for Command {
                 "node {node} -> {} evict={evict} reason={reason:?}",
                 status.as_str()
             ),
-            Command::NodeLost { node, reason } => write!(f, "node {node} lost: {reason}"),
+            Command::NodeLost { node, reason, .. } => write!(f, "node {node} lost: {reason}"),
             Command::SetGpuHealth { node, gpu, health } => {
                 write!(f, "gpu {gpu} on {node} -> {health:?}")
             }

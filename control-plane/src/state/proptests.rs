@@ -71,6 +71,7 @@ fn fleet_node(k: usize) -> NodeSpec {
         topology: Vec::new(),
         agent_address: String::new(),
         driver: String::new(),
+        incarnation: String::new(),
     }
 }
 

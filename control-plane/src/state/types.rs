@@ -80,6 +80,9 @@ pub struct NodeSpec {
     pub agent_address: String,
     #[serde(default)]
     pub driver: String,
+    /// Identity of the agent process tree that registered this node (see `agent.proto`).
+    #[serde(default)]
+    pub incarnation: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,6 +90,10 @@ pub struct Node {
     pub spec: NodeSpec,
     pub status: NodeStatus,
     pub registered_at: Timestamp,
+    /// An operator drained the node. Kept apart from `status` so that a node that goes down
+    /// and comes back while drained stays drained.
+    #[serde(default)]
+    pub drained: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

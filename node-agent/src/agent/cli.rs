@@ -56,6 +56,10 @@ pub struct AgentArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping a workload.
     #[arg(long, default_value_t = 30)]
     pub stop_grace_secs: u64,
+    /// Milliseconds between SIGTERM and SIGKILL when the agent fences itself (lease expired);
+    /// must be shorter than the control plane's node grace.
+    #[arg(long, default_value_t = 2000)]
+    pub fence_grace_ms: u64,
 }
 
 pub struct Built {
@@ -146,6 +150,7 @@ impl AgentArgs {
                 shim_program,
                 shim_args,
                 stop_grace: Duration::from_secs(self.stop_grace_secs),
+                fence_grace: Duration::from_millis(self.fence_grace_ms),
             },
             backend,
             simulated,

@@ -22,7 +22,7 @@ pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
         .connect_lazy())
 }
 
-fn retryable(s: &Status) -> bool {
+pub fn retryable(s: &Status) -> bool {
     matches!(
         s.code(),
         Code::Unavailable

@@ -52,14 +52,25 @@ pub struct AgentConfig {
     pub shim_args: Vec<String>,
     /// SIGTERM → SIGKILL grace when stopping a workload.
     pub stop_grace: Duration,
+    /// SIGTERM → SIGKILL grace when fencing (lease expired); below the control plane's node
+    /// grace, which registration checks.
+    pub fence_grace: Duration,
 }
 
 const TICK: Duration = Duration::from_millis(100);
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A report waiting to be acknowledged by the control plane.
+/// A report waiting to be acknowledged by the control plane. One ordered queue for both
+/// kinds, so a GPU's health reaches the control plane before the exit of the job it killed
+/// (otherwise the freed GPU could be placed on while still marked healthy).
 #[derive(Debug, Clone)]
-struct Report {
+enum Report {
+    Allocation(AllocationReport),
+    Health(pa::GpuHealthReport),
+}
+
+#[derive(Debug, Clone)]
+struct AllocationReport {
     allocation_id: u64,
     event: pa::allocation_report::Event,
     exit_code: Option<i32>,
@@ -97,6 +108,9 @@ struct State {
 
 pub struct Agent {
     config: AgentConfig,
+    /// Random id kept in the state directory; tells this agent apart from another one that
+    /// claims the same node name.
+    incarnation: String,
     inventory: HostInventory,
     state: Mutex<State>,
     reports_ready: Notify,
@@ -171,7 +185,14 @@ impl Agent {
             labels: self.config.labels.clone().into_iter().collect(),
             agent_address: self.config.advertise.clone(),
             driver: inv.driver.clone(),
+            fence_grace_ms: self.config.fence_grace.as_millis() as u64,
+            incarnation: self.incarnation.clone(),
         }
+    }
+
+    fn queue_exit(&self, st: &mut State, report: AllocationReport) {
+        st.reports.push_back(Report::Allocation(report));
+        self.reports_ready.notify_one();
     }
 
     fn queue_report(&self, report: Report) {
@@ -190,7 +211,9 @@ impl Agent {
         };
         let live: BTreeSet<u64> = st.runtime.live().into_iter().collect();
         let stopping: BTreeSet<u64> = st.stopping.keys().copied().collect();
-        for action in reconcile(&set, &live, &st.finished, &stopping) {
+        let actions = reconcile(&set, &live, &st.finished, &stopping);
+        tracing::trace!(?live, stops = ?set.allocations.iter().filter(|a| a.stop).map(|a| a.allocation_id).collect::<Vec<_>>(), ?actions, "reconcile");
+        for action in actions {
             match action {
                 Action::Stop(id) => {
                     tracing::info!(allocation = id, "no longer assigned: stopping");
@@ -199,7 +222,37 @@ impl Agent {
                         tracing::warn!(allocation = id, error = %e, "stop failed");
                     }
                 }
+                Action::Abandon(id) => {
+                    tracing::info!(allocation = id, "stopped before it started here");
+                    st.finished.insert(id);
+                    self.queue_exit(
+                        &mut st,
+                        AllocationReport::exit(id, pa::allocation_report::Event::Stopped, ""),
+                    );
+                }
                 Action::Launch(a) => {
+                    if let Some(foreign) =
+                        a.gpus.iter().find(|g| {
+                            !self.inventory.gpus.iter().any(|x| {
+                                &x.uuid == *g || x.mig_instances.iter().any(|m| &m.uuid == *g)
+                            })
+                        })
+                    {
+                        // Never run anything on a device this host does not have (e.g. two
+                        // agents registered under one name).
+                        tracing::error!(allocation = a.allocation_id, gpu = %foreign, "assignment names a GPU this host does not have");
+                        st.finished.insert(a.allocation_id);
+                        let reason = format!("GPU {foreign} is not on node {}", self.config.name);
+                        self.queue_exit(
+                            &mut st,
+                            AllocationReport::exit(
+                                a.allocation_id,
+                                pa::allocation_report::Event::Failed,
+                                &reason,
+                            ),
+                        );
+                        continue;
+                    }
                     let in_use = st.runtime.gpus_in_use();
                     if let Some(busy) = a.gpus.iter().find(|g| in_use.contains_key(*g)) {
                         // Its previous user is still stopping; retried on the next tick.
@@ -225,17 +278,20 @@ impl Agent {
                         // Already started in this or an earlier life of the agent: never twice.
                         Err(crate::runtime::RuntimeError::AlreadyKnown(_)) => {}
                         Err(e) => {
+                            // A fault of this host (spawn failure, full disk), not of the job:
+                            // requeue it rather than fail it.
                             tracing::warn!(allocation = a.allocation_id, error = %e, "launch failed");
                             st.finished.insert(a.allocation_id);
-                            st.reports.push_back(Report {
-                                allocation_id: a.allocation_id,
-                                event: pa::allocation_report::Event::Failed,
-                                exit_code: None,
-                                signal: 0,
-                                reason: format!("could not start: {e}"),
-                                exit: true,
-                            });
-                            self.reports_ready.notify_one();
+                            let reason =
+                                format!("node {} could not start it: {e}", self.config.name);
+                            self.queue_exit(
+                                &mut st,
+                                AllocationReport::exit(
+                                    a.allocation_id,
+                                    pa::allocation_report::Event::Lost,
+                                    &reason,
+                                ),
+                            );
                         }
                     }
                 }
@@ -250,6 +306,9 @@ impl Agent {
             return;
         }
         st.fenced = true;
+        // Whatever was assigned before the lease expired may have been placed elsewhere since:
+        // act again only on a set received after the lease is renewed.
+        st.last_set = None;
         let live = st.runtime.live();
         tracing::warn!(
             running = live.len(),
@@ -280,14 +339,14 @@ impl Agent {
             match ev {
                 RuntimeEvent::Started { allocation_id, pid } => {
                     tracing::debug!(allocation = allocation_id, pid, "started");
-                    self.queue_report(Report {
+                    self.queue_report(Report::Allocation(AllocationReport {
                         allocation_id,
                         event: pa::allocation_report::Event::Started,
                         exit_code: None,
                         signal: 0,
                         reason: String::new(),
                         exit: false,
-                    });
+                    }));
                 }
                 RuntimeEvent::Exited {
                     allocation_id,
@@ -301,7 +360,7 @@ impl Agent {
                     };
                     let report = exit_report(allocation_id, &kind, cause);
                     tracing::info!(allocation = allocation_id, ?kind, event = ?report.event, "exited");
-                    self.queue_report(report);
+                    self.queue_report(Report::Allocation(report));
                 }
             }
         }
@@ -315,15 +374,28 @@ impl Agent {
         self.reconcile_now();
     }
 
-    fn on_gpu_event(&self, event: GpuEvent) -> Option<pa::GpuHealthReport> {
+    fn on_gpu_event(&self, event: GpuEvent) {
         let verdict = health::gpu_health_after(&event);
-        let uuid = match &event {
-            GpuEvent::Xid { gpu_uuid, .. }
-            | GpuEvent::FellOffBus { gpu_uuid }
-            | GpuEvent::Recovered { gpu_uuid } => gpu_uuid.clone(),
+        let (uuid, xid) = match &event {
+            GpuEvent::Xid { gpu_uuid, code, .. } => (gpu_uuid.clone(), *code),
+            GpuEvent::FellOffBus { gpu_uuid } | GpuEvent::Recovered { gpu_uuid } => {
+                (gpu_uuid.clone(), 0)
+            }
         };
         tracing::warn!(gpu = %uuid, ?event, ?verdict, "GPU event");
-        let holder = self.lock().runtime.gpus_in_use().get(&uuid).copied();
+        // Health first, then the stop: the control plane must cordon the GPU before the job's
+        // exit frees it.
+        if verdict.gpu_unhealthy || verdict.gpu_recovered {
+            self.queue_report(Report::Health(pa::GpuHealthReport {
+                node: self.config.name.clone(),
+                gpu_uuid: uuid.clone(),
+                healthy: !verdict.gpu_unhealthy,
+                reason: verdict.reason.clone(),
+                xid,
+            }));
+        }
+        let mut st = self.lock();
+        let holder = st.runtime.gpus_in_use().get(&uuid).copied();
         if let Some(id) = holder
             && (verdict.job_fails || verdict.gpu_unhealthy)
         {
@@ -332,39 +404,34 @@ impl Agent {
             } else {
                 StopCause::JobFault(verdict.reason.clone())
             };
-            let mut st = self.lock();
             st.stopping.insert(id, cause);
             if let Err(e) = st.runtime.stop(id, StopReason::GpuFault) {
                 tracing::warn!(allocation = id, error = %e, "stop failed");
             }
         }
-        let xid = match &event {
-            GpuEvent::Xid { code, .. } => *code,
-            _ => 0,
-        };
-        match &event {
-            GpuEvent::Recovered { .. } => Some(pa::GpuHealthReport {
-                node: self.config.name.clone(),
-                gpu_uuid: uuid,
-                healthy: true,
-                reason: verdict.reason,
-                xid,
-            }),
-            _ if verdict.gpu_unhealthy => Some(pa::GpuHealthReport {
-                node: self.config.name.clone(),
-                gpu_uuid: uuid,
-                healthy: false,
-                reason: verdict.reason,
-                xid,
-            }),
-            _ => None,
+    }
+}
+
+impl AllocationReport {
+    fn exit(
+        allocation_id: u64,
+        event: pa::allocation_report::Event,
+        reason: &str,
+    ) -> AllocationReport {
+        AllocationReport {
+            allocation_id,
+            event,
+            exit_code: None,
+            signal: 0,
+            reason: reason.to_owned(),
+            exit: true,
         }
     }
 }
 
-fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) -> Report {
+fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) -> AllocationReport {
     use pa::allocation_report::Event;
-    let mut r = Report {
+    let mut r = AllocationReport {
         allocation_id,
         event: Event::Failed,
         exit_code: None,
@@ -418,6 +485,7 @@ pub async fn run(
         shim_args: config.shim_args.clone(),
         stop_grace: config.stop_grace,
         lease_file: Some(config.state_dir.join("lease")),
+        fence_grace: config.fence_grace,
     })
     .context("opening the workload runtime")?;
     let readopted = runtime.live();
@@ -427,7 +495,9 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let incarnation = load_or_create_incarnation(&config.state_dir)?;
     let agent = Arc::new(Agent {
+        incarnation,
         inventory,
         state: Mutex::new(State {
             runtime,
@@ -461,7 +531,7 @@ pub async fn run(
         tokio::spawn(assignment_loop(agent.clone(), control.clone())),
         tokio::spawn(tick_loop(agent.clone())),
         tokio::spawn(report_loop(agent.clone(), control.clone())),
-        tokio::spawn(gpu_event_loop(agent.clone(), backend, control)),
+        tokio::spawn(gpu_event_loop(agent.clone(), backend)),
     ];
     let served = server.await;
     for t in tasks {
@@ -471,6 +541,23 @@ pub async fn run(
     tracing::info!("agent stopping; workloads keep running under their shims");
     served.context("serving the agent API")?;
     Ok(())
+}
+
+/// A random id, created once and kept in the state directory.
+fn load_or_create_incarnation(dir: &std::path::Path) -> anyhow::Result<String> {
+    let path = dir.join("incarnation");
+    if let Ok(s) = std::fs::read_to_string(&path)
+        && !s.trim().is_empty()
+    {
+        return Ok(s.trim().to_owned());
+    }
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .context("reading /dev/urandom")?;
+    let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&path, &id).with_context(|| format!("writing {}", path.display()))?;
+    Ok(id)
 }
 
 fn load_job_index(dir: &std::path::Path) -> BTreeMap<u64, u64> {
@@ -516,6 +603,9 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
             st.lease = lease;
             st.lease_renewed = Some(Instant::now());
             st.fenced = false;
+            // Act only on sets from streams of this registration's leader or later.
+            st.last_set = None;
+            st.fence.term = st.fence.term.max(resp.term);
         }
         agent.publish_lease(now_ms() + lease.as_millis() as u64);
         tracing::info!(node = %agent.config.name, lease_ms = resp.lease_ms, term = resp.term, "registered");
@@ -527,6 +617,7 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
             let hb = pa::HeartbeatRequest {
                 node: agent.config.name.clone(),
                 running,
+                incarnation: agent.incarnation.clone(),
             };
             match control
                 .call(interval.max(Duration::from_millis(200)), |mut c| {
@@ -621,44 +712,62 @@ async fn report_loop(agent: Arc<Agent>, mut control: ControlPlane) {
             agent.reports_ready.notified().await;
             continue;
         };
-        let req = pa::AllocationReport {
-            node: agent.config.name.clone(),
-            allocation_id: report.allocation_id,
-            event: report.event as i32,
-            exit_code: report.exit_code.unwrap_or(0),
-            has_exit_code: report.exit_code.is_some(),
-            signal: report.signal,
-            reason: report.reason.clone(),
-        };
-        match control
-            .call(CALL_TIMEOUT, |mut c| {
-                let req = req.clone();
-                async move { c.report_allocation(req).await }
-            })
-            .await
-        {
-            Ok(_) => {
-                let mut st = agent.lock();
-                st.reports.pop_front();
-                if report.exit
-                    && let Err(e) = st.runtime.forget(report.allocation_id)
-                {
-                    tracing::warn!(allocation = report.allocation_id, error = %e, "forgetting a reported exit failed");
-                }
+        let node = agent.config.name.clone();
+        let result = match &report {
+            Report::Allocation(r) => {
+                let req = pa::AllocationReport {
+                    node,
+                    allocation_id: r.allocation_id,
+                    event: r.event as i32,
+                    exit_code: r.exit_code.unwrap_or(0),
+                    has_exit_code: r.exit_code.is_some(),
+                    signal: r.signal,
+                    reason: r.reason.clone(),
+                };
+                control
+                    .call(CALL_TIMEOUT, |mut c| {
+                        let req = req.clone();
+                        async move { c.report_allocation(req).await }
+                    })
+                    .await
+                    .map(|_| ())
             }
-            Err(s) => {
+            Report::Health(h) => control
+                .call(CALL_TIMEOUT, |mut c| {
+                    let h = h.clone();
+                    async move { c.report_gpu_health(h).await }
+                })
+                .await
+                .map(|_| ()),
+        };
+        let done = match result {
+            Ok(()) => true,
+            Err(s) if control::retryable(&s) => {
                 tracing::debug!(code = ?s.code(), message = s.message(), "report failed; retrying");
                 tokio::time::sleep(Duration::from_millis(200)).await;
+                false
+            }
+            // Refused for good (e.g. the allocation belongs to another node): retrying would
+            // block every later report behind it.
+            Err(s) => {
+                tracing::error!(?report, code = ?s.code(), message = s.message(), "the control plane refused a report; dropping it");
+                true
+            }
+        };
+        if done {
+            let mut st = agent.lock();
+            st.reports.pop_front();
+            if let Report::Allocation(r) = &report
+                && r.exit
+                && let Err(e) = st.runtime.forget(r.allocation_id)
+            {
+                tracing::warn!(allocation = r.allocation_id, error = %e, "forgetting a reported exit failed");
             }
         }
     }
 }
 
-async fn gpu_event_loop(
-    agent: Arc<Agent>,
-    backend: Arc<dyn GpuBackend>,
-    mut control: ControlPlane,
-) {
+async fn gpu_event_loop(agent: Arc<Agent>, backend: Arc<dyn GpuBackend>) {
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
     std::thread::spawn(move || {
         loop {
@@ -681,24 +790,6 @@ async fn gpu_event_loop(
         }
     });
     while let Some(ev) = rx.recv().await {
-        let Some(report) = agent.on_gpu_event(ev) else {
-            continue;
-        };
-        loop {
-            let r = report.clone();
-            match control
-                .call(CALL_TIMEOUT, |mut c| {
-                    let r = r.clone();
-                    async move { c.report_gpu_health(r).await }
-                })
-                .await
-            {
-                Ok(_) => break,
-                Err(s) => {
-                    tracing::debug!(message = s.message(), "GPU health report failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-        }
+        agent.on_gpu_event(ev);
     }
 }

@@ -9,6 +9,9 @@ use proto::agent::{Assignment, Assignments};
 pub enum Action {
     Launch(Assignment),
     Stop(u64),
+    /// The control plane wants it stopped but it never started here: report it stopped so
+    /// its GPUs are released.
+    Abandon(u64),
 }
 
 /// Fencing state: the newest (term, epoch) an assignment set came with.
@@ -43,6 +46,7 @@ pub fn reconcile(
     let wanted: BTreeMap<u64, &Assignment> = desired
         .allocations
         .iter()
+        .filter(|a| !a.stop)
         .map(|a| (a.allocation_id, a))
         .collect();
     let mut actions = Vec::new();
@@ -54,6 +58,12 @@ pub fn reconcile(
     for (id, a) in &wanted {
         if !live.contains(id) && !finished.contains(id) {
             actions.push(Action::Launch((*a).clone()));
+        }
+    }
+    for a in desired.allocations.iter().filter(|a| a.stop) {
+        let id = a.allocation_id;
+        if !live.contains(&id) && !finished.contains(&id) {
+            actions.push(Action::Abandon(id));
         }
     }
     actions
@@ -88,6 +98,17 @@ mod tests {
         assert_eq!(actions.len(), 2);
         assert!(actions.contains(&Action::Stop(3)));
         assert!(matches!(&actions[1], Action::Launch(a) if a.allocation_id == 1));
+    }
+
+    #[test]
+    fn an_allocation_to_stop_that_never_started_is_abandoned_and_a_running_one_stopped() {
+        let mut s = set(1, &[7, 8]);
+        for a in &mut s.allocations {
+            a.stop = true;
+        }
+        let actions = reconcile(&s, &ids(&[8]), &ids(&[]), &ids(&[]));
+        assert_eq!(actions, vec![Action::Stop(8), Action::Abandon(7)]);
+        assert!(reconcile(&s, &ids(&[]), &ids(&[7, 8]), &ids(&[])).is_empty());
     }
 
     #[test]

@@ -30,5 +30,6 @@ pub use journal::{UsageRecord, check_no_overlap, read_usage_journal};
 pub use shim::shim_main;
 pub use supervisor::Runtime;
 pub use types::{
-    DEFAULT_STOP_GRACE, ExitKind, LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason,
+    DEFAULT_FENCE_GRACE, DEFAULT_STOP_GRACE, ExitKind, LaunchSpec, RuntimeConfig, RuntimeError,
+    RuntimeEvent, StopReason,
 };

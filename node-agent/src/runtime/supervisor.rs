@@ -170,7 +170,7 @@ impl Runtime {
             stderr: stderr_log,
             command: record.spec.command.clone(),
             lease_file: self.config.lease_file.clone(),
-            fence_grace: self.config.stop_grace,
+            fence_grace: self.config.fence_grace,
         };
         let env = command_env(&record.spec, |key| std::env::var(key).ok());
         let mut command = Command::new(&self.config.shim_program);
@@ -512,7 +512,10 @@ impl Runtime {
             }
             return;
         };
-        let grace = duration_ms(self.config.stop_grace);
+        let grace = duration_ms(match stop.reason {
+            StopReason::Fenced => self.config.fence_grace.min(self.config.stop_grace),
+            _ => self.config.stop_grace,
+        });
         if record.kill_sent_at_ms.is_some() || now < stop.term_sent_at_ms.saturating_add(grace) {
             return;
         }
@@ -645,6 +648,7 @@ mod tests {
             shim_args: vec!["shim".to_string()],
             stop_grace: Duration::from_secs(1),
             lease_file: None,
+            fence_grace: Duration::from_secs(1),
         }
     }
 

@@ -15,6 +15,10 @@ use serde::{Deserialize, Serialize};
 /// (`terminationGracePeriodSeconds`) default to, so checkpointing jobs behave the same here.
 pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(30);
 
+/// SIGTERM → SIGKILL grace when a workload is fenced; must stay below the control plane's
+/// node grace (5 s by default), which registration checks.
+pub const DEFAULT_FENCE_GRACE: Duration = Duration::from_secs(2);
+
 /// Everything needed to start one allocation's process. Persisted verbatim in the
 /// allocation's state record, so a restarted agent knows what it is supervising.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +112,10 @@ pub struct RuntimeConfig {
     /// and stops its command when the lease passes, so workloads are fenced even when the
     /// agent itself is dead (SIGKILL, crash) and cannot fence them. `None`: no such fencing.
     pub lease_file: Option<PathBuf>,
+    /// SIGTERM → SIGKILL grace when fencing (lease expired). Shorter than `stop_grace`: the
+    /// control plane places the job elsewhere once its own grace has passed, and the fenced
+    /// copy must be gone by then.
+    pub fence_grace: Duration,
 }
 
 impl RuntimeConfig {
@@ -125,6 +133,7 @@ impl RuntimeConfig {
             shim_args: vec!["shim".to_string()],
             stop_grace: DEFAULT_STOP_GRACE,
             lease_file: None,
+            fence_grace: DEFAULT_FENCE_GRACE,
         })
     }
 }

@@ -113,6 +113,17 @@ async fn leader_loops(
             Err(ApiError::NotLeader { .. }) => return,
             Err(e) => tracing::warn!(?e, "scheduling pass failed"),
         }
+        // A leader whose process was paused (SIGSTOP, a long stall) heard no heartbeats while
+        // it could not listen: that silence is its own, not the nodes'.
+        let stall_limit = (config.agent_heartbeat * 2).max(Duration::from_secs(1));
+        if last_liveness_check.elapsed() > stall_limit {
+            tracing::warn!(
+                stalled_ms = last_liveness_check.elapsed().as_millis() as u64,
+                "leader loop stalled: granting every node a fresh grace period"
+            );
+            liveness.start_term(term);
+        }
+        last_liveness_check = Instant::now();
         if let Err(ApiError::NotLeader { .. }) = check_liveness(&replica, &liveness, &config).await
         {
             return;

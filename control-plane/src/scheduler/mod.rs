@@ -75,11 +75,30 @@ pub fn plan(state: &ClusterState, _now: Timestamp) -> Vec<JobPlacement> {
         return Vec::new();
     }
     let mut placements = Vec::new();
+    // GPUs each limited tenant holds, updated as this pass places its jobs.
+    let mut held: BTreeMap<&str, u64> = BTreeMap::new();
     for job in queue_order(state) {
         if !dependencies_met(state, job) {
             continue;
         }
+        let tenant = job.spec.tenant.as_str();
+        let limit = state
+            .tenants
+            .get(tenant)
+            .map(|t| u64::from(t.max_gpus))
+            .filter(|m| *m > 0);
+        if let Some(limit) = limit {
+            let h = *held
+                .entry(tenant)
+                .or_insert_with(|| state.gpus_held_by_tenant(tenant));
+            if h + job.spec.total_gpus() > limit {
+                continue;
+            }
+        }
         if let Some(p) = place_job(state, job, &mut free) {
+            if limit.is_some() {
+                *held.entry(tenant).or_default() += job.spec.total_gpus();
+            }
             placements.push(p);
         }
     }

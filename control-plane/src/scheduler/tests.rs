@@ -320,3 +320,41 @@ fn drained_nodes_get_no_new_work() {
     w.submit(job(1));
     assert!(plan(&w.state, 0).is_empty());
 }
+
+#[test]
+fn a_tenant_never_exceeds_its_gpu_limit() {
+    let mut w = World::new();
+    w.node("n", 8, "H100", "", None);
+    w.apply(Command::PutTenant {
+        tenant: crate::state::Tenant {
+            name: "t".into(),
+            weight: 1,
+            quota_gpus: 2,
+            max_gpus: 3,
+        },
+    });
+    let a = w.submit(job(2));
+    let b = w.submit(job(2));
+    let c = w.submit(job(1));
+    let placed: Vec<u64> = w.schedule().iter().map(|p| p.job).collect();
+    // 2 + 2 would be 4 > 3: the second job waits, the 1-GPU job fits under the limit.
+    assert_eq!(placed, vec![a, c]);
+    assert!(w.state.jobs[&b].allocations.is_empty());
+    assert_eq!(w.state.gpus_held_by_tenant("t"), 3);
+    // Apply refuses a plan that would break the limit, whoever proposes it.
+    let free: Vec<String> = (3..5).map(|i| format!("n-gpu{i}")).collect();
+    let outcome = w.apply(Command::Place {
+        term: 1,
+        placements: vec![JobPlacement {
+            job: b,
+            tasks: vec![TaskPlacement {
+                node: "n".into(),
+                gpus: free,
+            }],
+        }],
+    });
+    assert!(
+        matches!(outcome, Outcome::Placed { ref accepted, .. } if accepted.is_empty()),
+        "{outcome:?}"
+    );
+}

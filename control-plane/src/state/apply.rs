@@ -319,6 +319,20 @@ impl ClusterState {
         if job.state != JobState::Pending || !job.allocations.is_empty() {
             return Err(format!("job {} is {}, not pending", job.id, job.state));
         }
+        // Invariant 5: a tenant never holds more than its limit.
+        if let Some(t) = self.tenants.get(&job.spec.tenant)
+            && t.max_gpus > 0
+        {
+            let held = self.gpus_held_by_tenant(&t.name);
+            if held + job.spec.total_gpus() > u64::from(t.max_gpus) {
+                return Err(format!(
+                    "tenant {} holds {held} GPUs; {} more would exceed its limit of {}",
+                    t.name,
+                    job.spec.total_gpus(),
+                    t.max_gpus
+                ));
+            }
+        }
         if p.tasks.len() != job.spec.tasks as usize {
             return Err(format!(
                 "job {} has {} tasks but the plan places {}",
@@ -328,6 +342,23 @@ impl ClusterState {
             ));
         }
         let mut in_plan = BTreeSet::new();
+        let mut tasks_per_node: std::collections::BTreeMap<&str, u64> = Default::default();
+        for task in &p.tasks {
+            *tasks_per_node.entry(task.node.as_str()).or_default() += 1;
+        }
+        for (name, count) in &tasks_per_node {
+            if let Some(node) = self.nodes.get(*name) {
+                let (cpu, mem) = self.node_usage(name);
+                let want_cpu = cpu + count * job.spec.cpu_milli_per_task;
+                let want_mem = mem + count * job.spec.memory_mib_per_task;
+                if want_cpu > node.spec.cpu_milli || want_mem > node.spec.memory_mib {
+                    return Err(format!(
+                        "node {name} lacks CPU or memory: {want_cpu} of {} mCPU, {want_mem} of {} MiB",
+                        node.spec.cpu_milli, node.spec.memory_mib
+                    ));
+                }
+            }
+        }
         for task in &p.tasks {
             let node = self
                 .nodes

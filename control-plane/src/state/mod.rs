@@ -80,6 +80,34 @@ impl ClusterState {
             .filter_map(|a| self.allocations.get(a))
     }
 
+    /// GPUs held by live allocations of a tenant's jobs (stopping ones included: they still
+    /// occupy the cards).
+    pub fn gpus_held_by_tenant(&self, tenant: &str) -> u64 {
+        self.allocations
+            .values()
+            .filter(|r| {
+                self.jobs
+                    .get(&r.allocation.job)
+                    .is_some_and(|j| j.spec.tenant == tenant)
+            })
+            .map(|r| r.allocation.gpus.len() as u64)
+            .sum()
+    }
+
+    /// CPU (milli) and memory (MiB) requested by the live allocations on a node.
+    pub fn node_usage(&self, node: &str) -> (u64, u64) {
+        self.allocations
+            .values()
+            .filter(|r| r.allocation.node == node)
+            .filter_map(|r| self.jobs.get(&r.allocation.job))
+            .fold((0, 0), |(c, m), j| {
+                (
+                    c + j.spec.cpu_milli_per_task,
+                    m + j.spec.memory_mib_per_task,
+                )
+            })
+    }
+
     pub fn total_gpus(&self) -> usize {
         self.nodes.values().map(|n| n.spec.gpus.len()).sum()
     }

@@ -187,8 +187,9 @@ impl LocalCluster {
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
-        // Not tied to our death: the point of an agent is that its workloads (and the agent,
-        // under a service manager) outlive any one client. Drop stops it explicitly.
+        // The agent dies with us; its workloads run in their own sessions and stop by
+        // themselves once the agent's lease lapses.
+        set_parent_death_signal(&mut cmd);
         a.child = Some(
             cmd.spawn()
                 .with_context(|| format!("starting agent {name}"))?,

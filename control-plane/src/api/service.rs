@@ -18,7 +18,7 @@ use super::route::route;
 use crate::raft::NodeId;
 use crate::replica::{ApiError, Replica};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
-use crate::state::{Command, GpuHealth, JobState, NodeStatus, Outcome, Rejection};
+use crate::state::{ClusterState, Command, GpuHealth, JobState, NodeStatus, Outcome, Rejection};
 
 pub struct ControlPlaneService {
     replica: Arc<Replica>,
@@ -42,6 +42,34 @@ async fn read_barrier(replica: &Replica, read: &Option<pb::ReadOptions>) -> Resu
         return Ok(());
     }
     replica.linearize().await
+}
+
+/// A read from this replica's applied state: linearizable unless the request asks for a stale
+/// read, forwarded to the leader when this replica cannot confirm it leads.
+async fn read_route<Req, Resp, B, R, RF>(
+    r: &Replica,
+    request: Request<Req>,
+    options: fn(&Req) -> Option<pb::ReadOptions>,
+    build: B,
+    remote: R,
+) -> Result<Response<Resp>, Status>
+where
+    Req: Clone,
+    B: FnOnce(&Req, &ClusterState) -> Result<Resp, ApiError>,
+    R: FnOnce(tonic::transport::Channel, Request<Req>) -> RF,
+    RF: std::future::Future<Output = Result<Response<Resp>, Status>>,
+{
+    route(
+        r,
+        request,
+        |req| async move {
+            read_barrier(r, &options(&req)).await?;
+            let data = r.sm.read();
+            build(&req, &data.cluster)
+        },
+        remote,
+    )
+    .await
 }
 
 fn parse_states(names: &[String]) -> Result<BTreeSet<JobState>, Rejection> {
@@ -133,16 +161,14 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
-        let r = &self.replica;
-        route(
-            r,
+        read_route(
+            &self.replica,
             request,
-            |req| async move {
-                read_barrier(r, &req.read).await?;
-                let data = r.sm.read();
-                data.cluster
+            |req| req.read,
+            |req, cluster| {
+                cluster
                     .job(req.id)
-                    .map(|j| convert::job_to_proto(j, &data.cluster))
+                    .map(|j| convert::job_to_proto(j, cluster))
                     .ok_or_else(|| {
                         Rejection::not_found(format!("job {} does not exist", req.id)).into()
                     })
@@ -157,16 +183,13 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
-        let r = &self.replica;
-        route(
-            r,
+        read_route(
+            &self.replica,
             request,
-            |req| async move {
+            |req| req.read,
+            |req, cluster| {
                 let states = parse_states(&req.states)?;
-                read_barrier(r, &req.read).await?;
-                let data = r.sm.read();
-                let jobs = data
-                    .cluster
+                let jobs = cluster
                     .jobs
                     .values()
                     .filter(|j| {
@@ -181,7 +204,7 @@ impl ControlPlane for ControlPlaneService {
                         req.partition.is_empty()
                             || j.spec.partition.as_deref() == Some(req.partition.as_str())
                     })
-                    .map(|j| convert::job_to_proto(j, &data.cluster))
+                    .map(|j| convert::job_to_proto(j, cluster))
                     .collect();
                 Ok(pb::ListJobsResponse { jobs })
             },
@@ -261,20 +284,18 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::ListNodesRequest>,
     ) -> Result<Response<pb::ListNodesResponse>, Status> {
-        let r = &self.replica;
-        route(
-            r,
+        read_route(
+            &self.replica,
             request,
-            |req| async move {
-                read_barrier(r, &req.read).await?;
-                let data = r.sm.read();
-                let nodes = data
-                    .cluster
-                    .nodes
-                    .values()
-                    .map(|n| convert::node_to_proto(n, &data.cluster))
-                    .collect();
-                Ok(pb::ListNodesResponse { nodes })
+            |req| req.read,
+            |_, cluster| {
+                Ok(pb::ListNodesResponse {
+                    nodes: cluster
+                        .nodes
+                        .values()
+                        .map(|n| convert::node_to_proto(n, cluster))
+                        .collect(),
+                })
             },
             |ch, req| async move { ControlPlaneClient::new(ch).list_nodes(req).await },
         )
@@ -392,16 +413,13 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::ListTenantsRequest>,
     ) -> Result<Response<pb::ListTenantsResponse>, Status> {
-        let r = &self.replica;
-        route(
-            r,
+        read_route(
+            &self.replica,
             request,
-            |req| async move {
-                read_barrier(r, &req.read).await?;
-                let data = r.sm.read();
+            |req| req.read,
+            |_, cluster| {
                 Ok(pb::ListTenantsResponse {
-                    tenants: data
-                        .cluster
+                    tenants: cluster
                         .tenants
                         .values()
                         .map(convert::tenant_to_proto)
@@ -512,16 +530,13 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::ListPartitionsRequest>,
     ) -> Result<Response<pb::ListPartitionsResponse>, Status> {
-        let r = &self.replica;
-        route(
-            r,
+        read_route(
+            &self.replica,
             request,
-            |req| async move {
-                read_barrier(r, &req.read).await?;
-                let data = r.sm.read();
+            |req| req.read,
+            |_, cluster| {
                 Ok(pb::ListPartitionsResponse {
-                    partitions: data
-                        .cluster
+                    partitions: cluster
                         .partitions
                         .values()
                         .map(convert::partition_to_proto)

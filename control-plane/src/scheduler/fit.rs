@@ -32,7 +32,8 @@ pub struct NodeFree {
 }
 
 impl NodeFree {
-    pub fn of(state: &ClusterState, node: &Node) -> NodeFree {
+    /// `used`: CPU (milli) and memory (MiB) that live allocations already take on the node.
+    pub fn of(state: &ClusterState, node: &Node, used: (u64, u64)) -> NodeFree {
         let gpus = node
             .spec
             .gpus
@@ -40,17 +41,7 @@ impl NodeFree {
             .filter(|g| g.health == GpuHealth::Healthy && !state.gpu_holder.contains_key(&g.uuid))
             .map(|g| (g.index, g.uuid.clone(), g.model.clone()))
             .collect();
-        let (mut cpu, mut mem) = (0u64, 0u64);
-        for rec in state
-            .allocations
-            .values()
-            .filter(|r| r.allocation.node == node.spec.name)
-        {
-            if let Some(job) = state.jobs.get(&rec.allocation.job) {
-                cpu += job.spec.cpu_milli_per_task;
-                mem += job.spec.memory_mib_per_task;
-            }
-        }
+        let (cpu, mem) = used;
         NodeFree {
             gpus,
             cpu_milli: node.spec.cpu_milli.saturating_sub(cpu),

@@ -63,11 +63,23 @@ pub fn queue_order(state: &ClusterState) -> Vec<&Job> {
 
 /// One scheduling pass.
 pub fn plan(state: &ClusterState, _now: Timestamp) -> Vec<JobPlacement> {
+    // CPU and memory in use per node, in one pass over the allocations.
+    let mut usage: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for rec in state.allocations.values() {
+        if let Some(job) = state.jobs.get(&rec.allocation.job) {
+            let u = usage.entry(rec.allocation.node.as_str()).or_default();
+            u.0 += job.spec.cpu_milli_per_task;
+            u.1 += job.spec.memory_mib_per_task;
+        }
+    }
     let mut free: BTreeMap<&str, NodeFree> = state
         .nodes
         .values()
         .filter(|n| n.status == NodeStatus::Ready)
-        .map(|n| (n.spec.name.as_str(), NodeFree::of(state, n)))
+        .map(|n| {
+            let used = usage.get(n.spec.name.as_str()).copied().unwrap_or((0, 0));
+            (n.spec.name.as_str(), NodeFree::of(state, n, used))
+        })
         .collect();
     // Nothing free anywhere: skip ordering the queue (a pass runs after every applied entry,
     // and a long queue on a full cluster must not cost a sort each time).
@@ -105,34 +117,34 @@ pub fn plan(state: &ClusterState, _now: Timestamp) -> Vec<JobPlacement> {
     placements
 }
 
-/// Places every task of `job` or none, updating `free` only when all fit.
-fn place_job(
+/// Places every task of `job` or none. Only the nodes the job touches are copied, so a gang
+/// that does not fit leaves `free` as it was without cloning the whole fleet per job.
+fn place_job<'a>(
     state: &ClusterState,
     job: &Job,
-    free: &mut BTreeMap<&str, NodeFree>,
+    free: &mut BTreeMap<&'a str, NodeFree>,
 ) -> Option<JobPlacement> {
-    let mut trial = free.clone();
+    let mut touched: BTreeMap<&'a str, NodeFree> = BTreeMap::new();
     let mut tasks = Vec::with_capacity(job.spec.tasks as usize);
     for _ in 0..job.spec.tasks {
         // Best fit: the eligible node with the fewest free GPUs that still holds the task, so
         // large free blocks stay whole for large jobs. Ties go to the node name (stable).
-        let (name, gpus) = trial
+        let name = free
             .iter()
+            .map(|(name, f)| (*name, touched.get(name).unwrap_or(f)))
             .filter(|(name, f)| eligible(state, job, name) && f.fits(job))
-            .filter_map(|(name, f)| {
-                let gpus = f.choose_gpus(job)?;
-                Some((*name, f.free_gpu_count(job), gpus))
-            })
-            .min_by_key(|(name, count, _)| (*count, *name))
-            .map(|(name, _, gpus)| (name, gpus))?;
-        let node_free = trial.get_mut(name)?;
-        node_free.take(job, &gpus);
+            .map(|(name, f)| (name, f.free_gpu_count(job)))
+            .min_by_key(|(name, count)| (*count, *name))
+            .map(|(name, _)| name)?;
+        let node = touched.entry(name).or_insert_with(|| free[name].clone());
+        let gpus = node.choose_gpus(job)?;
+        node.take(job, &gpus);
         tasks.push(TaskPlacement {
             node: name.to_owned(),
             gpus,
         });
     }
-    *free = trial;
+    free.extend(touched);
     Some(JobPlacement { job: job.id, tasks })
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use proto::v1::control_plane_client::ControlPlaneClient;
 use tonic::transport::Channel;
-use tonic::{Code, Response, Status};
+use tonic::{Response, Status};
 
 use crate::raft::network::lazy_channel;
 
@@ -118,17 +118,7 @@ impl Client {
     }
 }
 
-/// Whether another attempt (possibly at another replica) may succeed.
-pub fn retryable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable
-            | Code::DeadlineExceeded
-            | Code::Cancelled
-            | Code::Unknown
-            | Code::Aborted
-    )
-}
+pub use proto::transport::retryable;
 
 /// Sets a per-attempt timeout on a request.
 pub fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {

@@ -191,29 +191,7 @@ async fn join_cluster(via: &str, id: u64, advertise: &str) -> anyhow::Result<()>
     }
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-}
+pub use proto::transport::shutdown_signal;
 
 /// The whole life of a replica process: configuration, telemetry, runtime, serve until a
 /// signal. Shared by `control-plane` and `gpuctl dev`'s child replicas.

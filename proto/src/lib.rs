@@ -1,5 +1,8 @@
 //! Generated gRPC types and services. Domain code converts at the edge (control-plane's `api/`)
-//! and never passes these types inward.
+//! and never passes these types inward. `transport` holds the channel, retry and shutdown
+//! helpers both the control plane and the agents use.
+
+pub mod transport;
 
 /// Client API (`gpucp.v1`).
 pub mod v1 {

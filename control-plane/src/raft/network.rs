@@ -19,7 +19,7 @@ use proto::raft::RaftMessage;
 use proto::raft::raft_peer_client::RaftPeerClient;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::{NodeId, TypeConfig};
 
@@ -36,14 +36,7 @@ pub struct PeerClient {
     client: Option<RaftPeerClient<Channel>>,
 }
 
-/// A channel that connects on first use; building it cannot fail for a well-formed address.
-pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(format!("http://{addr}"))?
-        .connect_timeout(Duration::from_millis(500))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .connect_lazy())
-}
+pub use proto::transport::lazy_channel;
 
 impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
     type Network = PeerClient;

@@ -183,24 +183,8 @@ pub fn run_agent_process(
             built.config,
             built.backend,
             built.simulated,
-            shutdown_signal(),
+            proto::transport::shutdown_signal(),
         )
         .await
     })
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let ctrl_c = tokio::signal::ctrl_c();
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = ctrl_c => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = ctrl_c.await;
-        }
-    }
 }

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use proto::agent::agent_api_client::AgentApiClient;
-use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Status};
+use tonic::Status;
+use tonic::transport::Channel;
 
 #[derive(Clone)]
 pub struct ControlPlane {
@@ -15,23 +15,7 @@ pub struct ControlPlane {
     preferred: usize,
 }
 
-pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(format!("http://{addr}"))?
-        .connect_timeout(Duration::from_millis(500))
-        .tcp_nodelay(true)
-        .connect_lazy())
-}
-
-pub fn retryable(s: &Status) -> bool {
-    matches!(
-        s.code(),
-        Code::Unavailable
-            | Code::DeadlineExceeded
-            | Code::Cancelled
-            | Code::Unknown
-            | Code::Aborted
-    )
-}
+pub use proto::transport::{lazy_channel, retryable};
 
 impl ControlPlane {
     pub fn new(endpoints: &[String]) -> anyhow::Result<ControlPlane> {

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use proto::agent as pa;
@@ -30,6 +30,7 @@ use tokio::sync::Notify;
 use crate::gpu::simulated::SimulatedBackend;
 use crate::gpu::{GpuBackend, GpuEvent, HostInventory};
 use crate::health;
+use crate::runtime::process::now_ms;
 use crate::runtime::{ExitKind, LaunchSpec, Runtime, RuntimeConfig, RuntimeEvent, StopReason};
 use control::ControlPlane;
 use reconcile::{Action, Fence, reconcile};
@@ -115,13 +116,6 @@ pub struct Agent {
     state: Mutex<State>,
     reports_ready: Notify,
     simulated: Option<Arc<SimulatedBackend>>,
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 impl Agent {

@@ -19,7 +19,7 @@
 
 mod env;
 mod journal;
-mod process;
+pub(crate) mod process;
 mod record;
 mod shim;
 mod supervisor;

@@ -51,6 +51,14 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
     }
 }
 
+/// The three peer RPCs; they share one envelope and one error mapping.
+#[derive(Clone, Copy)]
+enum Rpc {
+    AppendEntries,
+    Vote,
+    InstallSnapshot,
+}
+
 type RpcResult<T, E> = Result<T, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>;
 
 impl PeerClient {
@@ -69,7 +77,7 @@ impl PeerClient {
 
     async fn call<Req, Resp, E>(
         &mut self,
-        rpc: &'static str,
+        rpc: Rpc,
         req: &Req,
         option: &RPCOption,
     ) -> RpcResult<Resp, E>
@@ -87,9 +95,9 @@ impl PeerClient {
         request.set_timeout(option.hard_ttl());
         let mut client = self.client().map_err(RPCError::Unreachable)?;
         let response = match rpc {
-            "append" => client.append_entries(request).await,
-            "vote" => client.vote(request).await,
-            _ => client.install_snapshot(request).await,
+            Rpc::AppendEntries => client.append_entries(request).await,
+            Rpc::Vote => client.vote(request).await,
+            Rpc::InstallSnapshot => client.install_snapshot(request).await,
         };
         let response = match response {
             Ok(r) => r.into_inner(),
@@ -120,7 +128,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
-        self.call("append", &rpc, &option).await
+        self.call(Rpc::AppendEntries, &rpc, &option).await
     }
 
     async fn install_snapshot(
@@ -128,7 +136,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
-        self.call("snapshot", &rpc, &option).await
+        self.call(Rpc::InstallSnapshot, &rpc, &option).await
     }
 
     async fn vote(
@@ -136,7 +144,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
-        self.call("vote", &rpc, &option).await
+        self.call(Rpc::Vote, &rpc, &option).await
     }
 
     /// After an unreachable peer, retry every 40 ms rather than openraft's default 500 ms. A

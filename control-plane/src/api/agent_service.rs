@@ -105,9 +105,7 @@ fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
 /// The allocations `node` should run, as the agent sees them.
 pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Assignments {
     let allocations = cluster
-        .allocations
-        .values()
-        .filter(|r| r.allocation.node == node)
+        .allocations_on(node)
         .filter_map(|r| {
             let job = cluster.jobs.get(&r.allocation.job)?;
             Some(pa::Assignment {
@@ -121,6 +119,8 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                 time_limit_secs: job.spec.time_limit_secs.unwrap_or(0),
                 term: r.allocation.term,
                 stop: r.stop_requested,
+                gpu_milli: r.allocation.gpu_milli,
+                gpu_memory_mib: r.allocation.gpu_memory_mib,
             })
         })
         .collect();

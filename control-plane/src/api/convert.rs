@@ -70,6 +70,11 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
         cpu_milli_per_task: count("cpu_milli_per_task", spec.cpu_milli_per_task, u64::MAX)?,
         memory_mib_per_task: count("memory_mib_per_task", spec.memory_mib_per_task, u64::MAX)?,
         env: spec.env.into_iter().collect(),
+        gpu_milli: spec.gpu_milli,
+        gpu_memory_mib: spec.gpu_memory_mib,
+        mig_profile: non_empty(spec.mig_profile),
+        preemptible: spec.preemptible,
+        single_numa: spec.single_numa,
     })
 }
 
@@ -99,6 +104,11 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
         cpu_milli_per_task: spec.cpu_milli_per_task as i64,
         memory_mib_per_task: spec.memory_mib_per_task as i64,
         env: spec.env.clone().into_iter().collect(),
+        gpu_milli: spec.gpu_milli,
+        gpu_memory_mib: spec.gpu_memory_mib,
+        mig_profile: spec.mig_profile.clone().unwrap_or_default(),
+        preemptible: spec.preemptible,
+        single_numa: spec.single_numa,
     }
 }
 
@@ -111,6 +121,8 @@ pub fn allocation_to_proto(a: &state::Allocation) -> pb::Allocation {
         term: a.term,
         epoch: a.id,
         created_at_ms: a.created_at,
+        gpu_milli: a.gpu_milli,
+        gpu_memory_mib: a.gpu_memory_mib,
     }
 }
 
@@ -243,6 +255,11 @@ mod tests {
             cpu_milli_per_task: 8000,
             memory_mib_per_task: 64_000,
             env: [("A".to_owned(), "1".to_owned())].into_iter().collect(),
+            gpu_milli: 0,
+            gpu_memory_mib: 0,
+            mig_profile: Some("3g.40gb".into()),
+            preemptible: true,
+            single_numa: true,
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

@@ -60,6 +60,23 @@ pub struct SubmitArgs {
     /// Host memory per task: MiB, or with K/M/G/T suffix.
     #[arg(long)]
     pub mem: Option<String>,
+    /// A share of one GPU per task, in milli-GPU (1-999; `--gpus` must be 1): shares are packed
+    /// onto one GPU up to 1000 milli and its memory.
+    #[arg(long, alias = "gpu-share", value_name = "MILLI")]
+    pub gpu_milli: Option<u32>,
+    /// GPU memory a share may use (MiB, or with K/M/G/T suffix); default: in proportion to
+    /// `--gpu-milli`.
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_mem: Option<String>,
+    /// Run on MIG slices of this profile (`1g.10gb`, `3g.40gb`, ...): `--gpus` counts slices.
+    #[arg(long, value_name = "PROFILE")]
+    pub mig: Option<String>,
+    /// The job may be stopped and requeued to make room for higher-priority work.
+    #[arg(long)]
+    pub preemptible: bool,
+    /// All GPUs of a task must sit on one NUMA node (otherwise only preferred).
+    #[arg(long)]
+    pub single_numa: bool,
     /// Dependencies: afterok:ID[:ID...],afterany:ID,afternotok:ID.
     #[arg(long, short = 'd')]
     pub dependency: Option<String>,
@@ -104,6 +121,10 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
         Some(m) => parse_mem_mib(m)? as i64,
         None => 0,
     };
+    let gpu_memory_mib = match &args.gpu_mem {
+        Some(m) => parse_mem_mib(m)?,
+        None => 0,
+    };
     let dependencies = match &args.dependency {
         Some(d) => parse_dependencies(d)?,
         None => Vec::new(),
@@ -143,6 +164,11 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
             cpu_milli_per_task,
             memory_mib_per_task,
             env,
+            gpu_milli: args.gpu_milli.unwrap_or(0),
+            gpu_memory_mib,
+            mig_profile: args.mig.unwrap_or_default(),
+            preemptible: args.preemptible,
+            single_numa: args.single_numa,
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })

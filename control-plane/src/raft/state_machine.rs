@@ -76,6 +76,7 @@ impl StateMachineStore {
                 .map_err(|e| format!("the stored snapshot does not decode: {e}"))?;
             data = serde_json::from_slice(&stored.data)
                 .map_err(|e| format!("the stored snapshot's state does not decode: {e}"))?;
+            data.cluster.rebuild_indexes();
             data.cluster
                 .check_consistency()
                 .map_err(|e| format!("the stored snapshot is inconsistent: {e}"))?;
@@ -241,8 +242,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let bytes = snapshot.into_inner();
-        let new_data: StateMachineData = serde_json::from_slice(&bytes)
+        let mut new_data: StateMachineData = serde_json::from_slice(&bytes)
             .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        new_data.cluster.rebuild_indexes();
         if let Err(e) = new_data.cluster.check_consistency() {
             return Err(StorageIOError::read_snapshot(
                 Some(meta.signature()),

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use super::command::{Command, JobPlacement, Outcome, Rejection, TaskOutcome};
 use super::types::*;
 use super::validate;
-use super::{AllocationRecord, Applied, ClusterState};
+use super::{AllocationRecord, Applied, ClusterState, index_allocation};
 
 impl ClusterState {
     /// Applies `command`, proposed at leader time `at`, as log entry `index`.
@@ -63,6 +63,11 @@ impl ClusterState {
                 _ => self.node_lost(node, reason, at, index, &mut changed),
             },
             Command::SetGpuHealth { node, gpu, health } => self.set_gpu_health(node, gpu, health),
+            Command::Preempt {
+                for_job,
+                victims,
+                reason,
+            } => self.preempt(*for_job, victims, reason, at, index, &mut changed),
             Command::PutPartition { partition } => match validate::validate_partition(partition) {
                 Ok(()) => {
                     self.partitions
@@ -75,6 +80,7 @@ impl ClusterState {
         if !matches!(outcome, Outcome::Rejected(_)) {
             self.last_applied_at = self.last_applied_at.max(at);
         }
+        changed.append(&mut self.cascaded);
         changed.sort_unstable();
         changed.dedup();
         Applied {
@@ -126,6 +132,9 @@ impl ClusterState {
                 ));
             }
         }
+        if !self.nodes.is_empty() {
+            self.check_some_node_fits(spec)?;
+        }
         for dep in &spec.dependencies {
             if !self.jobs.contains_key(&dep.job) {
                 return Err(Rejection::invalid(
@@ -135,6 +144,51 @@ impl ClusterState {
             }
         }
         Ok(())
+    }
+
+    /// An impossible job is refused at submission, with the reason, rather than left pending
+    /// forever: no node has the GPU models, MIG slices or GPU memory it asks for.
+    fn check_some_node_fits(&self, spec: &JobSpec) -> Result<(), Rejection> {
+        let model_ok = |g: &Gpu| spec.gpu_models.is_empty() || spec.gpu_models.contains(&g.model);
+        let units = |n: &Node| -> usize {
+            match &spec.mig_profile {
+                Some(p) => n
+                    .spec
+                    .gpus
+                    .iter()
+                    .filter(|g| model_ok(g))
+                    .flat_map(|g| g.mig.iter())
+                    .filter(|m| &m.profile == p)
+                    .count(),
+                None => n
+                    .spec
+                    .gpus
+                    .iter()
+                    .filter(|g| model_ok(g) && g.mig.is_empty())
+                    .filter(|g| !spec.is_share() || share_memory_mib(spec, g.memory_mib) <= g.memory_mib)
+                    .count(),
+            }
+        };
+        if spec.gpus_per_task == 0 || self.nodes.values().any(|n| units(n) >= spec.gpus_per_task as usize) {
+            return Ok(());
+        }
+        let what = match (&spec.mig_profile, spec.is_share()) {
+            (Some(p), _) => format!("{} MIG slices of profile {p}", spec.gpus_per_task),
+            (None, true) => format!(
+                "a GPU with {} MiB of memory for the share",
+                spec.gpu_memory_mib
+            ),
+            (None, false) => format!("{} GPUs", spec.gpus_per_task),
+        };
+        let models = if spec.gpu_models.is_empty() {
+            String::new()
+        } else {
+            format!(" of model {}", spec.gpu_models.join("|"))
+        };
+        Err(Rejection::invalid(
+            "gpus_per_task",
+            format!("no node has {what}{models}; the job could never start"),
+        ))
     }
 
     fn submit(
@@ -181,6 +235,10 @@ impl ClusterState {
             ending: None,
         };
         self.jobs.insert(id, job);
+        self.index.pending.insert(id);
+        for dep in &spec.dependencies {
+            self.index.dependents.entry(dep.job).or_default().insert(id);
+        }
         if let Some(key) = key {
             self.idempotency
                 .entry(spec.tenant.clone())
@@ -188,6 +246,11 @@ impl ClusterState {
                 .insert(key.to_owned(), id);
         }
         changed.push(id);
+        // A dependency that already ended the wrong way can never be satisfied.
+        if let Some(reason) = self.unsatisfiable_dependency(id) {
+            self.transition(id, JobState::Failed, &reason, at, index);
+            self.fail_unsatisfiable_dependents(id, at, index, changed);
+        }
         Outcome::JobSubmitted { id, created: true }
     }
 
@@ -323,12 +386,14 @@ impl ClusterState {
         if let Some(t) = self.tenants.get(&job.spec.tenant)
             && t.max_gpus > 0
         {
-            let held = self.gpus_held_by_tenant(&t.name);
-            if held + job.spec.total_gpus() > u64::from(t.max_gpus) {
+            let held = self.gpu_milli_held_by_tenant(&t.name);
+            let limit = u64::from(t.max_gpus) * MILLI_PER_GPU;
+            if held + job.spec.total_gpu_milli() > limit {
                 return Err(format!(
-                    "tenant {} holds {held} GPUs; {} more would exceed its limit of {}",
+                    "tenant {} holds {} GPUs; {} more would exceed its limit of {}",
                     t.name,
-                    job.spec.total_gpus(),
+                    milli_as_gpus(held),
+                    milli_as_gpus(job.spec.total_gpu_milli()),
                     t.max_gpus
                 ));
             }
@@ -381,24 +446,7 @@ impl ClusterState {
                 ));
             }
             for uuid in &task.gpus {
-                let gpu = node
-                    .spec
-                    .gpus
-                    .iter()
-                    .find(|g| &g.uuid == uuid)
-                    .ok_or_else(|| format!("GPU {uuid} is not on node {}", task.node))?;
-                if gpu.health != GpuHealth::Healthy {
-                    return Err(format!("GPU {uuid} is unhealthy"));
-                }
-                if !job.spec.gpu_models.is_empty() && !job.spec.gpu_models.contains(&gpu.model) {
-                    return Err(format!(
-                        "GPU {uuid} is a {}, job wants {:?}",
-                        gpu.model, job.spec.gpu_models
-                    ));
-                }
-                if let Some(holder) = self.gpu_holder.get(uuid) {
-                    return Err(format!("GPU {uuid} is already held by allocation {holder}"));
-                }
+                self.check_gpu_unit(job, node, uuid)?;
                 if !in_plan.insert(uuid.as_str()) {
                     return Err(format!("GPU {uuid} is placed twice in one plan"));
                 }
@@ -407,25 +455,122 @@ impl ClusterState {
         Ok(())
     }
 
+    /// Whether one GPU unit of a task (a whole GPU, a MIG slice or a share of a GPU, by the
+    /// job's kind) can be given to `job` on `node` now.
+    fn check_gpu_unit(&self, job: &Job, node: &Node, uuid: &str) -> Result<(), String> {
+        let spec = &job.spec;
+        // A MIG slice is named by its own UUID, under its parent GPU.
+        let (gpu, slice) = match &spec.mig_profile {
+            Some(profile) => {
+                let (gpu, slice) = node
+                    .spec
+                    .gpus
+                    .iter()
+                    .find_map(|g| g.mig.iter().find(|m| m.uuid == uuid).map(|m| (g, m)))
+                    .ok_or_else(|| format!("MIG slice {uuid} is not on node {}", node.spec.name))?;
+                if &slice.profile != profile {
+                    return Err(format!(
+                        "MIG slice {uuid} is a {}, job wants {profile}",
+                        slice.profile
+                    ));
+                }
+                (gpu, Some(slice))
+            }
+            None => {
+                let gpu = node
+                    .spec
+                    .gpus
+                    .iter()
+                    .find(|g| g.uuid == uuid)
+                    .ok_or_else(|| format!("GPU {uuid} is not on node {}", node.spec.name))?;
+                if !gpu.mig.is_empty() {
+                    return Err(format!(
+                        "GPU {uuid} is in MIG mode: ask for one of its slices (--mig PROFILE)"
+                    ));
+                }
+                (gpu, None)
+            }
+        };
+        if gpu.health != GpuHealth::Healthy {
+            return Err(format!("GPU {} is unhealthy", gpu.uuid));
+        }
+        if !spec.gpu_models.is_empty() && !spec.gpu_models.contains(&gpu.model) {
+            return Err(format!(
+                "GPU {} is a {}, job wants {:?}",
+                gpu.uuid, gpu.model, spec.gpu_models
+            ));
+        }
+        if let Some(holder) = self.gpu_holder.get(uuid) {
+            return Err(format!("GPU {uuid} is already held by allocation {holder}"));
+        }
+        if slice.is_some() {
+            return Ok(());
+        }
+        let shares = self.index.gpu_shares.get(uuid);
+        if !spec.is_share() {
+            return match shares {
+                Some(s) => Err(format!(
+                    "GPU {uuid} is shared by allocations {:?}",
+                    s.allocations
+                )),
+                None => Ok(()),
+            };
+        }
+        let (milli, memory) = shares.map_or((0, 0), |s| (s.milli, s.memory_mib));
+        if u64::from(milli + spec.gpu_milli) > MILLI_PER_GPU {
+            return Err(format!(
+                "GPU {uuid} has {} milli free, the share asks for {}",
+                MILLI_PER_GPU - u64::from(milli),
+                spec.gpu_milli
+            ));
+        }
+        let want = share_memory_mib(spec, gpu.memory_mib);
+        if memory + want > gpu.memory_mib {
+            return Err(format!(
+                "GPU {uuid} has {} MiB of memory free, the share asks for {want}",
+                gpu.memory_mib.saturating_sub(memory)
+            ));
+        }
+        Ok(())
+    }
+
     fn commit_placement(&mut self, term: u64, p: &JobPlacement, at: Timestamp, index: u64) {
         let mut ids = Vec::with_capacity(p.tasks.len());
+        let Some(job) = self.jobs.get(&p.job) else {
+            return;
+        };
+        let spec = job.spec.clone();
         for task in &p.tasks {
             self.last_allocation_id += 1;
             let id = self.last_allocation_id;
-            for gpu in &task.gpus {
-                self.gpu_holder.insert(gpu.clone(), id);
-            }
+            let (gpu_milli, gpu_memory_mib) = if spec.is_share() {
+                let gpu_memory = task
+                    .gpus
+                    .first()
+                    .and_then(|u| self.nodes.get(&task.node)?.spec.gpus.iter().find(|g| &g.uuid == u))
+                    .map_or(0, |g| g.memory_mib);
+                (spec.gpu_milli, share_memory_mib(&spec, gpu_memory))
+            } else {
+                for gpu in &task.gpus {
+                    self.gpu_holder.insert(gpu.clone(), id);
+                }
+                (0, 0)
+            };
+            let allocation = Allocation {
+                id,
+                job: p.job,
+                node: task.node.clone(),
+                gpus: task.gpus.clone(),
+                term,
+                created_at: at,
+                gpu_milli,
+                gpu_memory_mib,
+            };
+            index_allocation(&mut self.index, &self.jobs, &allocation, true);
             self.allocations.insert(
                 id,
                 AllocationRecord {
-                    allocation: Allocation {
-                        id,
-                        job: p.job,
-                        node: task.node.clone(),
-                        gpus: task.gpus.clone(),
-                        term,
-                        created_at: at,
-                    },
+                    allocation,
                     started: false,
                     stop_requested: false,
                 },
@@ -479,10 +624,24 @@ impl ClusterState {
                 "allocation {id} does not exist"
             )));
         };
-        for gpu in &rec.allocation.gpus {
-            self.gpu_holder.remove(gpu);
+        if rec.allocation.gpu_milli == 0 {
+            for gpu in &rec.allocation.gpus {
+                self.gpu_holder.remove(gpu);
+            }
         }
+        index_allocation(&mut self.index, &self.jobs, &rec.allocation, false);
         let job_id = rec.allocation.job;
+        // Fair share: the GPU-seconds this task held count against its tenant.
+        if let Some(job) = self.jobs.get(&job_id) {
+            let held_ms = at.saturating_sub(rec.allocation.created_at);
+            let milli = job.spec.gpu_milli_per_task();
+            if milli > 0 {
+                self.tenant_usage
+                    .entry(job.spec.tenant.clone())
+                    .or_default()
+                    .add(at, milli.saturating_mul(held_ms) / 1000);
+            }
+        }
         changed.push(job_id);
         let Some(job) = self.jobs.get_mut(&job_id) else {
             return Outcome::Done;
@@ -601,9 +760,7 @@ impl ClusterState {
         };
         node.status = NodeStatus::Down;
         let on_node: Vec<AllocationId> = self
-            .allocations
-            .values()
-            .filter(|r| r.allocation.node == name)
+            .allocations_on(name)
             .map(|r| r.allocation.id)
             .collect();
         let reason = if reason.is_empty() {
@@ -646,12 +803,7 @@ impl ClusterState {
     }
 
     fn jobs_on_node(&self, node: &str) -> Vec<JobId> {
-        let mut jobs: Vec<JobId> = self
-            .allocations
-            .values()
-            .filter(|r| r.allocation.node == node)
-            .map(|r| r.allocation.job)
-            .collect();
+        let mut jobs: Vec<JobId> = self.allocations_on(node).map(|r| r.allocation.job).collect();
         jobs.sort_unstable();
         jobs.dedup();
         jobs
@@ -688,15 +840,184 @@ impl ClusterState {
     }
 
     fn transition(&mut self, id: JobId, state: JobState, reason: &str, at: Timestamp, index: u64) {
-        if let Some(job) = self.jobs.get_mut(&id) {
-            job.state = state;
-            job.version = index;
-            job.history.push(StateChange {
-                at,
-                state,
-                reason: reason.to_owned(),
-            });
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        let was = job.state;
+        job.state = state;
+        job.version = index;
+        job.history.push(StateChange {
+            at,
+            state,
+            reason: reason.to_owned(),
+        });
+        if was == JobState::Pending && state != JobState::Pending {
+            self.index.pending.remove(&id);
+            for dep in &job.spec.dependencies {
+                if let Some(waiting) = self.index.dependents.get_mut(&dep.job) {
+                    waiting.remove(&id);
+                    if waiting.is_empty() {
+                        self.index.dependents.remove(&dep.job);
+                    }
+                }
+            }
+        } else if was != JobState::Pending && state == JobState::Pending {
+            self.index.pending.insert(id);
+            for dep in &job.spec.dependencies {
+                self.index.dependents.entry(dep.job).or_default().insert(id);
+            }
         }
+        if state.is_final() && !was.is_final() {
+            let mut failed = Vec::new();
+            self.fail_unsatisfiable_dependents(id, at, index, &mut failed);
+            self.cascaded.extend(failed);
+        }
+    }
+
+    /// Why a job's dependencies can never all be met, if they cannot: a dependency that ended
+    /// the wrong way for its kind.
+    fn unsatisfiable_dependency(&self, id: JobId) -> Option<String> {
+        let job = self.jobs.get(&id)?;
+        job.spec.dependencies.iter().find_map(|d| {
+            let dep = self.jobs.get(&d.job)?;
+            let never = match d.kind {
+                DependencyKind::AfterOk => dep.state.is_final() && dep.state != JobState::Succeeded,
+                DependencyKind::AfterNotOk => dep.state == JobState::Succeeded,
+                DependencyKind::AfterAny => false,
+            };
+            never.then(|| {
+                let kind = match d.kind {
+                    DependencyKind::AfterOk => "afterok",
+                    DependencyKind::AfterNotOk => "afternotok",
+                    DependencyKind::AfterAny => "afterany",
+                };
+                format!(
+                    "dependency can never be satisfied: {kind}:{} but job {} {}",
+                    d.job, d.job, dep.state
+                )
+            })
+        })
+    }
+
+    /// Fails every pending job that waits on `ended` and can now never start, and so on down
+    /// the chain of dependents.
+    fn fail_unsatisfiable_dependents(
+        &mut self,
+        ended: JobId,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) {
+        let mut work = vec![ended];
+        while let Some(job) = work.pop() {
+            let waiting: Vec<JobId> = self
+                .index
+                .dependents
+                .get(&job)
+                .map(|s| s.iter().copied().collect())
+                .unwrap_or_default();
+            for dependent in waiting {
+                if let Some(reason) = self.unsatisfiable_dependency(dependent) {
+                    // transition() recurses through this function for the dependent's own
+                    // dependents, so the chain is followed without pushing here.
+                    self.transition(dependent, JobState::Failed, &reason, at, index);
+                    changed.push(dependent);
+                }
+            }
+        }
+    }
+
+    /// Stops lower-priority (or borrowing) jobs so that `for_job` can start; each victim is
+    /// requeued once its tasks have stopped (the agents give them their stop grace period).
+    /// Victims the rules do not allow are skipped and named in the outcome.
+    fn preempt(
+        &mut self,
+        for_job: JobId,
+        victims: &[JobId],
+        reason: &str,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) -> Outcome {
+        let Some(preemptor) = self.jobs.get(&for_job) else {
+            return Outcome::Rejected(Rejection::not_found(format!(
+                "job {for_job} does not exist"
+            )));
+        };
+        if preemptor.state != JobState::Pending {
+            return Outcome::Rejected(Rejection::precondition(format!(
+                "job {for_job} is {}, not pending: it preempts nothing",
+                preemptor.state
+            )));
+        }
+        let preemptor = preemptor.clone();
+        let mut accepted = Vec::new();
+        let mut rejected = Vec::new();
+        for &victim in victims {
+            match self.check_preemption(&preemptor, victim) {
+                Ok(why) => {
+                    let reason = if reason.is_empty() {
+                        format!("preempted by job {for_job} ({why})")
+                    } else {
+                        format!("preempted by job {for_job}: {reason}")
+                    };
+                    self.end_job_requeue(victim, &reason);
+                    changed.push(victim);
+                    accepted.push(victim);
+                }
+                Err(e) => rejected.push((victim, e)),
+            }
+        }
+        let _ = (at, index);
+        Outcome::Preempted { accepted, rejected }
+    }
+
+    /// Whether `preemptor` may stop `victim`, and on which grounds.
+    pub fn check_preemption(&self, preemptor: &Job, victim: JobId) -> Result<&'static str, String> {
+        let v = self
+            .jobs
+            .get(&victim)
+            .ok_or_else(|| format!("job {victim} does not exist"))?;
+        if v.state.is_final() || v.allocations.is_empty() {
+            return Err(format!("job {victim} is {} and holds nothing", v.state));
+        }
+        if v.ending.is_some() {
+            return Err(format!("job {victim} is already stopping"));
+        }
+        if v.spec.preemptible
+            && priority_rank(&v.spec.priority_class) < priority_rank(&preemptor.spec.priority_class)
+        {
+            return Ok("lower priority, preemptible");
+        }
+        // Quota reclaim: the preemptor's tenant is within its guarantee and the victim's tenant
+        // holds more than its own, i.e. runs on borrowed capacity.
+        if v.spec.tenant != preemptor.spec.tenant
+            && let Some(owner) = self.tenants.get(&preemptor.spec.tenant)
+        {
+            let guaranteed = u64::from(owner.quota_gpus) * MILLI_PER_GPU;
+            let owner_held = self.gpu_milli_held_by_tenant(&owner.name);
+            let borrower_quota = self
+                .tenants
+                .get(&v.spec.tenant)
+                .map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU);
+            let borrower_held = self.gpu_milli_held_by_tenant(&v.spec.tenant);
+            if owner_held + preemptor.spec.total_gpu_milli() <= guaranteed
+                && borrower_held > borrower_quota
+            {
+                return Ok("reclaiming quota from borrowed capacity");
+            }
+        }
+        Err(format!(
+            "job {victim} ({} priority{}, tenant {}) may not be preempted by job {}",
+            v.spec.priority_class,
+            if v.spec.preemptible {
+                ""
+            } else {
+                ", not preemptible"
+            },
+            v.spec.tenant,
+            preemptor.id
+        ))
     }
 }
 
@@ -715,6 +1036,33 @@ fn describe_failure(exit_code: Option<i32>, signal: Option<i32>, reason: &str) -
         "failed".into()
     } else {
         parts.join(", ")
+    }
+}
+
+/// Rank of a priority class: higher is served first.
+pub fn priority_rank(class: &str) -> u8 {
+    match class {
+        "high" => 2,
+        "normal" => 1,
+        _ => 0,
+    }
+}
+
+/// GPU memory a share gets on a GPU of `gpu_memory_mib`: what it asked for, or in proportion to
+/// its milli when it did not say.
+pub fn share_memory_mib(spec: &JobSpec, gpu_memory_mib: u64) -> u64 {
+    if spec.gpu_memory_mib > 0 {
+        spec.gpu_memory_mib
+    } else {
+        gpu_memory_mib * u64::from(spec.gpu_milli) / MILLI_PER_GPU
+    }
+}
+
+fn milli_as_gpus(milli: u64) -> String {
+    if milli % MILLI_PER_GPU == 0 {
+        (milli / MILLI_PER_GPU).to_string()
+    } else {
+        format!("{:.3}", milli as f64 / MILLI_PER_GPU as f64)
     }
 }
 

@@ -103,6 +103,14 @@ pub enum Command {
     PutPartition {
         partition: Partition,
     },
+    /// Stop `victims` (requeued once stopped) so that pending `for_job` can start: lower
+    /// priority preemptible work, or work borrowing another tenant's guaranteed quota. Apply
+    /// checks each victim against those rules.
+    Preempt {
+        for_job: JobId,
+        victims: Vec<JobId>,
+        reason: String,
+    },
 }
 
 impl Command {
@@ -134,6 +142,7 @@ impl Command {
             Command::NodeLost { .. } => "node_lost",
             Command::SetGpuHealth { .. } => "set_gpu_health",
             Command::PutPartition { .. } => "put_partition",
+            Command::Preempt { .. } => "preempt",
         }
     }
 }
@@ -180,6 +189,9 @@ impl fmt::Display for Command {
                 write!(f, "gpu {gpu} on {node} -> {health:?}")
             }
             Command::PutPartition { partition } => write!(f, "put partition={}", partition.name),
+            Command::Preempt {
+                for_job, victims, ..
+            } => write!(f, "preempt for job={for_job} victims={victims:?}"),
         }
     }
 }
@@ -250,6 +262,10 @@ pub enum Outcome {
     },
     NodeRegistered,
     Placed {
+        accepted: Vec<JobId>,
+        rejected: Vec<(JobId, String)>,
+    },
+    Preempted {
         accepted: Vec<JobId>,
         rejected: Vec<(JobId, String)>,
     },

@@ -12,7 +12,7 @@ mod proptests;
 pub mod types;
 pub mod validate;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -33,7 +33,7 @@ pub struct AllocationRecord {
     pub stop_requested: bool,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClusterState {
     pub nodes: BTreeMap<String, Node>,
     pub jobs: BTreeMap<JobId, Job>,
@@ -52,6 +52,33 @@ pub struct ClusterState {
     pub last_allocation_id: AllocationId,
     /// Timestamp of the last applied command (leader's clock).
     pub last_applied_at: Timestamp,
+    /// Tenant → decayed GPU-seconds of finished allocations (fair share).
+    #[serde(default)]
+    pub tenant_usage: BTreeMap<String, DecayedUsage>,
+    /// Derived indexes, rebuilt from the data above after a snapshot is loaded
+    /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
+    #[serde(skip)]
+    pub index: Indexes,
+    /// Jobs a command changed indirectly (dependents failed in a cascade), collected while it
+    /// applies and handed to watchers with the rest. Always empty between commands.
+    #[serde(skip)]
+    cascaded: Vec<JobId>,
+}
+
+/// Lookups the scheduler and `apply` need on every pass, so neither scans every job or
+/// allocation: at 10,000 nodes and a million job records a scan per placement would not do.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Indexes {
+    /// GPU UUID → milli-GPU shares held on it.
+    pub gpu_shares: BTreeMap<String, GpuShares>,
+    /// Jobs in state `Pending`.
+    pub pending: BTreeSet<JobId>,
+    /// Node → live allocations on it.
+    pub node_allocations: BTreeMap<String, BTreeSet<AllocationId>>,
+    /// Tenant → GPU capacity its live allocations hold, in milli-GPU.
+    pub tenant_held_milli: BTreeMap<String, u64>,
+    /// Job → pending jobs that depend on it.
+    pub dependents: BTreeMap<JobId, BTreeSet<JobId>>,
 }
 
 /// What applying one command did: the outcome for the proposer and which jobs changed (for
@@ -81,24 +108,33 @@ impl ClusterState {
     }
 
     /// GPUs held by live allocations of a tenant's jobs (stopping ones included: they still
-    /// occupy the cards).
+    /// occupy the cards), in whole GPUs, rounded up.
     pub fn gpus_held_by_tenant(&self, tenant: &str) -> u64 {
-        self.allocations
-            .values()
-            .filter(|r| {
-                self.jobs
-                    .get(&r.allocation.job)
-                    .is_some_and(|j| j.spec.tenant == tenant)
-            })
-            .map(|r| r.allocation.gpus.len() as u64)
-            .sum()
+        self.gpu_milli_held_by_tenant(tenant).div_ceil(MILLI_PER_GPU)
+    }
+
+    /// GPU capacity held by a tenant's live allocations, in milli-GPU.
+    pub fn gpu_milli_held_by_tenant(&self, tenant: &str) -> u64 {
+        self.index
+            .tenant_held_milli
+            .get(tenant)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Live allocations on a node.
+    pub fn allocations_on(&self, node: &str) -> impl Iterator<Item = &AllocationRecord> {
+        self.index
+            .node_allocations
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.allocations.get(id))
     }
 
     /// CPU (milli) and memory (MiB) requested by the live allocations on a node.
     pub fn node_usage(&self, node: &str) -> (u64, u64) {
-        self.allocations
-            .values()
-            .filter(|r| r.allocation.node == node)
+        self.allocations_on(node)
             .filter_map(|r| self.jobs.get(&r.allocation.job))
             .fold((0, 0), |(c, m), j| {
                 (
@@ -106,6 +142,33 @@ impl ClusterState {
                     m + j.spec.memory_mib_per_task,
                 )
             })
+    }
+
+    /// Pending jobs, in id order.
+    pub fn pending_jobs(&self) -> impl Iterator<Item = &Job> {
+        self.index.pending.iter().filter_map(|id| self.jobs.get(id))
+    }
+
+    /// Milli-GPU of one GPU taken by shares (0 when none).
+    pub fn shared_milli(&self, gpu: &str) -> u32 {
+        self.index.gpu_shares.get(gpu).map_or(0, |s| s.milli)
+    }
+
+    /// Recomputes every derived index from the data: after loading a snapshot.
+    pub fn rebuild_indexes(&mut self) {
+        let mut index = Indexes::default();
+        for job in self.jobs.values() {
+            if job.state == JobState::Pending {
+                index.pending.insert(job.id);
+                for dep in &job.spec.dependencies {
+                    index.dependents.entry(dep.job).or_default().insert(job.id);
+                }
+            }
+        }
+        for rec in self.allocations.values() {
+            index_allocation(&mut index, &self.jobs, &rec.allocation, true);
+        }
+        self.index = index;
     }
 
     pub fn total_gpus(&self) -> usize {
@@ -136,6 +199,19 @@ impl ClusterState {
         if derived_holder != self.gpu_holder {
             return Err("gpu_holder index differs from allocations".into());
         }
+        let mut rebuilt = self.clone();
+        rebuilt.rebuild_indexes();
+        if rebuilt.index != self.index {
+            return Err("derived indexes differ from the data they index".into());
+        }
+        for (gpu, shares) in &self.index.gpu_shares {
+            if shares.milli > MILLI_PER_GPU as u32 {
+                return Err(format!("GPU {gpu} carries {} milli of shares", shares.milli));
+            }
+            if self.gpu_holder.contains_key(gpu) {
+                return Err(format!("GPU {gpu} is both shared and held whole"));
+            }
+        }
         for job in self.jobs.values() {
             for a in &job.allocations {
                 if !self.allocations.contains_key(a) {
@@ -147,5 +223,60 @@ impl ClusterState {
             }
         }
         Ok(())
+    }
+}
+
+/// Adds (or with `add == false` removes) an allocation's entries in the derived indexes.
+pub(crate) fn index_allocation(
+    index: &mut Indexes,
+    jobs: &BTreeMap<JobId, Job>,
+    allocation: &Allocation,
+    add: bool,
+) {
+    let nodes = index
+        .node_allocations
+        .entry(allocation.node.clone())
+        .or_default();
+    if add {
+        nodes.insert(allocation.id);
+    } else {
+        nodes.remove(&allocation.id);
+        if nodes.is_empty() {
+            index.node_allocations.remove(&allocation.node);
+        }
+    }
+    if allocation.gpu_milli > 0 {
+        for gpu in &allocation.gpus {
+            let shares = index.gpu_shares.entry(gpu.clone()).or_default();
+            if add {
+                shares.milli += allocation.gpu_milli;
+                shares.memory_mib += allocation.gpu_memory_mib;
+                shares.allocations.insert(allocation.id);
+            } else {
+                shares.milli = shares.milli.saturating_sub(allocation.gpu_milli);
+                shares.memory_mib = shares.memory_mib.saturating_sub(allocation.gpu_memory_mib);
+                shares.allocations.remove(&allocation.id);
+                if shares.allocations.is_empty() {
+                    index.gpu_shares.remove(gpu);
+                }
+            }
+        }
+    }
+    if let Some(job) = jobs.get(&allocation.job)
+        && job.spec.gpu_milli_per_task() > 0
+    {
+        let milli = job.spec.gpu_milli_per_task();
+        let held = index
+            .tenant_held_milli
+            .entry(job.spec.tenant.clone())
+            .or_default();
+        if add {
+            *held += milli;
+        } else {
+            *held = held.saturating_sub(milli);
+            if *held == 0 {
+                index.tenant_held_milli.remove(&job.spec.tenant);
+            }
+        }
     }
 }

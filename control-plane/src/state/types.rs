@@ -129,11 +129,63 @@ pub struct JobSpec {
     pub cpu_milli_per_task: u64,
     pub memory_mib_per_task: u64,
     pub env: BTreeMap<String, String>,
+    /// A share of one GPU per task, in milli-GPU (1..=999); 0 means whole GPUs. A share needs
+    /// `gpus_per_task == 1` and is packed with other shares onto one GPU.
+    #[serde(default)]
+    pub gpu_milli: u32,
+    /// GPU memory a share may use (MiB); 0 means in proportion to `gpu_milli`.
+    #[serde(default)]
+    pub gpu_memory_mib: u64,
+    /// MIG profile (`1g.10gb`, `3g.40gb`, ...): each of `gpus_per_task` is a slice of it.
+    #[serde(default)]
+    pub mig_profile: Option<String>,
+    /// May be stopped and requeued to make room for higher-priority work.
+    #[serde(default)]
+    pub preemptible: bool,
+    /// All GPUs of a task must sit on one NUMA node (otherwise that is only a preference).
+    #[serde(default)]
+    pub single_numa: bool,
+}
+
+/// Milli-GPU per whole GPU: quotas, fair share and shares are all counted in milli-GPU.
+pub const MILLI_PER_GPU: u64 = 1000;
+
+/// Compute slices of an A100/H100 in MIG mode: a `3g.40gb` slice is 3/7 of the GPU.
+pub const MIG_COMPUTE_SLICES: u64 = 7;
+
+/// Compute slices a MIG profile name asks for (`3g.40gb` → 3, `1g.10gb+me` → 1).
+pub fn mig_compute_slices(profile: &str) -> Option<u64> {
+    let g = profile.split_once('g')?.0;
+    let n: u64 = g.parse().ok()?;
+    (1..=MIG_COMPUTE_SLICES).contains(&n).then_some(n)
 }
 
 impl JobSpec {
     pub fn total_gpus(&self) -> u64 {
         u64::from(self.gpus_per_task) * u64::from(self.tasks)
+    }
+
+    /// Whether each task asks for a share of one GPU rather than whole GPUs or MIG slices.
+    pub fn is_share(&self) -> bool {
+        self.gpu_milli > 0
+    }
+
+    /// GPU capacity one task holds, in milli-GPU: 1000 per whole GPU, the share itself, or a
+    /// MIG slice's fraction of its GPU. This is what quotas and fair share count.
+    pub fn gpu_milli_per_task(&self) -> u64 {
+        if self.is_share() {
+            return u64::from(self.gpu_milli);
+        }
+        let per_gpu = match &self.mig_profile {
+            Some(p) => mig_compute_slices(p).unwrap_or(MIG_COMPUTE_SLICES) * MILLI_PER_GPU
+                / MIG_COMPUTE_SLICES,
+            None => MILLI_PER_GPU,
+        };
+        u64::from(self.gpus_per_task) * per_gpu
+    }
+
+    pub fn total_gpu_milli(&self) -> u64 {
+        self.gpu_milli_per_task() * u64::from(self.tasks)
     }
 }
 
@@ -233,14 +285,62 @@ pub struct Allocation {
     /// Raft term of the leader whose plan created it.
     pub term: u64,
     pub created_at: Timestamp,
+    /// For a share: the milli-GPU it holds of its one GPU (0: the GPUs are exclusive).
+    #[serde(default)]
+    pub gpu_milli: u32,
+    /// For a share: the GPU memory it may use (MiB).
+    #[serde(default)]
+    pub gpu_memory_mib: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tenant {
     pub name: String,
+    /// Fair-share weight: a tenant with twice the weight is entitled to twice the GPU-seconds.
     pub weight: u32,
+    /// GPUs guaranteed to the tenant: work beyond its quota that others hold (borrowed
+    /// capacity) is preempted when the tenant needs it back.
     pub quota_gpus: u32,
+    /// Most GPUs the tenant may hold, its quota plus what it may borrow; 0 means no limit.
     pub max_gpus: u32,
+}
+
+/// A tenant's GPU usage for fair share: GPU-seconds, decayed with a half-life so that old usage
+/// counts less (Slurm's PriorityDecayHalfLife). Kept as an integer (milli-GPU-seconds) so that
+/// it survives a snapshot round trip bit for bit: replicas must order the queue identically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct DecayedUsage {
+    pub milli_gpu_seconds: u64,
+    /// When `milli_gpu_seconds` was last brought up to date.
+    pub at: Timestamp,
+}
+
+/// Half-life of fair-share usage.
+pub const USAGE_HALF_LIFE_MS: u64 = 24 * 3600 * 1000;
+
+impl DecayedUsage {
+    /// The usage as of `now`, decayed, in GPU-seconds.
+    pub fn gpu_seconds_at(&self, now: Timestamp) -> f64 {
+        let elapsed = now.saturating_sub(self.at) as f64;
+        let decay = (-elapsed / USAGE_HALF_LIFE_MS as f64 * std::f64::consts::LN_2).exp();
+        self.milli_gpu_seconds as f64 / MILLI_PER_GPU as f64 * decay
+    }
+
+    /// Adds usage at `now` (leader time from the log), decaying what was there.
+    pub fn add(&mut self, now: Timestamp, milli_gpu_seconds: u64) {
+        let now = now.max(self.at);
+        let decayed = (self.gpu_seconds_at(now) * MILLI_PER_GPU as f64).round() as u64;
+        self.milli_gpu_seconds = decayed.saturating_add(milli_gpu_seconds);
+        self.at = now;
+    }
+}
+
+/// GPU shares held on one GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct GpuShares {
+    pub milli: u32,
+    pub memory_mib: u64,
+    pub allocations: std::collections::BTreeSet<AllocationId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

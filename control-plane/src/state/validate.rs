@@ -3,7 +3,7 @@
 //! change the state, whoever proposed it).
 
 use super::command::Rejection;
-use super::types::{JobSpec, NodeSpec, Partition, Tenant};
+use super::types::{JobSpec, MILLI_PER_GPU, NodeSpec, Partition, Tenant, mig_compute_slices};
 
 /// The most GPUs any host can have (HGX-2 class boards carry 16).
 pub const MAX_GPUS_PER_NODE: u32 = 16;
@@ -153,6 +153,7 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
             "job id 0 does not exist",
         ));
     }
+    validate_gpu_kind(spec)?;
     let mut env_bytes = 0;
     for (k, v) in &spec.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
@@ -168,6 +169,53 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
             "env",
             format!("is {env_bytes} bytes; the limit is {MAX_ENV_BYTES}"),
         ));
+    }
+    Ok(())
+}
+
+/// Shares and MIG slices: each has its own rules and they exclude each other.
+fn validate_gpu_kind(spec: &JobSpec) -> Result<(), Rejection> {
+    if spec.gpu_milli > 0 {
+        if u64::from(spec.gpu_milli) >= MILLI_PER_GPU {
+            return Err(Rejection::invalid(
+                "gpu_milli",
+                format!(
+                    "{} milli is a whole GPU or more: ask for whole GPUs instead",
+                    spec.gpu_milli
+                ),
+            ));
+        }
+        if spec.gpus_per_task != 1 {
+            return Err(Rejection::invalid(
+                "gpu_milli",
+                "a share is part of one GPU: set gpus_per_task to 1",
+            ));
+        }
+        if spec.mig_profile.is_some() {
+            return Err(Rejection::invalid(
+                "gpu_milli",
+                "ask for a share or a MIG slice, not both",
+            ));
+        }
+    } else if spec.gpu_memory_mib > 0 {
+        return Err(Rejection::invalid(
+            "gpu_memory_mib",
+            "a GPU memory limit applies to a share: set gpu_milli too",
+        ));
+    }
+    if let Some(profile) = &spec.mig_profile {
+        if mig_compute_slices(profile).is_none() || profile.len() > 32 {
+            return Err(Rejection::invalid(
+                "mig_profile",
+                format!("{profile:?} is not a MIG profile name such as 1g.10gb or 3g.40gb"),
+            ));
+        }
+        if spec.gpus_per_task == 0 {
+            return Err(Rejection::invalid(
+                "mig_profile",
+                "names a MIG profile but the job asks for no GPUs",
+            ));
+        }
     }
     Ok(())
 }

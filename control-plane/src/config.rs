@@ -37,6 +37,11 @@ impl Defaults {
     pub const NODE_GRACE_MS: u64 = 5_000;
     pub const AGENT_HEARTBEAT_MS: u64 = 1_000;
     pub const SCHEDULE_INTERVAL_MS: u64 = 100;
+    /// A pending job rises one priority level per this much eligible waiting.
+    pub const AGING_STEP_SECS: u64 = 30 * 60;
+    pub const BACKFILL: bool = true;
+    pub const PREEMPTION: bool = true;
+    pub const PLACEMENT_SCORE: &'static str = "fgd";
     pub const LOG_FILTER: &'static str =
         "info,openraft=off,sled=warn,h2=warn,tower=warn,hyper=warn";
 }
@@ -93,6 +98,19 @@ pub struct ReplicaArgs {
     /// Scheduling passes run on every change and at least this often.
     #[arg(long, value_name = "MS")]
     pub schedule_interval_ms: Option<u64>,
+    /// Aging: a pending job rises one priority level per this many seconds of waiting; after
+    /// three steps nothing new overtakes it.
+    #[arg(long, value_name = "SECS")]
+    pub aging_step_secs: Option<u64>,
+    /// Backfill behind a blocked head job without delaying its reservation (true/false).
+    #[arg(long, value_name = "BOOL")]
+    pub backfill: Option<bool>,
+    /// Let a blocked head job preempt lower-priority preemptible work (true/false).
+    #[arg(long, value_name = "BOOL")]
+    pub preemption: Option<bool>,
+    /// Placement score: fgd (fragmentation-aware) or best-fit.
+    #[arg(long, value_name = "POLICY")]
+    pub placement_score: Option<String>,
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://localhost:4317).
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
@@ -249,6 +267,31 @@ impl ReplicaArgs {
                     .unwrap_or(Defaults::SCHEDULE_INTERVAL_MS)),
                 // Two election timeouts: by then a majority without us may have elected anew.
                 max_quorum_silence: ms(2 * election_max_ms),
+                policy: crate::scheduler::Policy {
+                    aging_step_ms: 1000
+                        * self
+                            .aging_step_secs
+                            .or(file.aging_step_secs)
+                            .unwrap_or(Defaults::AGING_STEP_SECS)
+                            .max(1),
+                    backfill: self.backfill.or(file.backfill).unwrap_or(Defaults::BACKFILL),
+                    preemption: self
+                        .preemption
+                        .or(file.preemption)
+                        .unwrap_or(Defaults::PREEMPTION),
+                    scoring: match self
+                        .placement_score
+                        .or(file.placement_score)
+                        .unwrap_or_else(|| Defaults::PLACEMENT_SCORE.to_owned())
+                        .parse::<crate::scheduler::ScorePolicy>()
+                    {
+                        Ok(p @ (crate::scheduler::ScorePolicy::Fgd
+                        | crate::scheduler::ScorePolicy::BestFit)) => p,
+                        Ok(_) => bail!("--placement-score random-fit is for the simulator only; use fgd or best-fit"),
+                        Err(e) => bail!("--placement-score: {e}"),
+                    },
+                    ..crate::scheduler::Policy::default()
+                },
             },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
         })

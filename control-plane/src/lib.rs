@@ -24,4 +24,5 @@ pub mod replica;
 pub mod scheduler;
 pub mod server;
 pub mod state;
+pub mod synthetic;
 pub mod telemetry;

@@ -37,9 +37,33 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 10)]
         seconds: u64,
     },
+    /// One scheduling pass, in process, on synthetic fleets (no replicas started).
+    Scheduler {
+        /// Fleet sizes in 8-GPU hosts (comma-separated).
+        #[arg(long, default_value = "1000,10000", value_delimiter = ',')]
+        hosts: Vec<usize>,
+        /// Pending jobs (comma-separated).
+        #[arg(long, default_value = "1000,10000", value_delimiter = ',')]
+        jobs: Vec<usize>,
+        /// Passes timed per case.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
 }
 
 pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
+    if let BenchCommand::Scheduler { hosts, jobs, runs } = command {
+        let (text, json) = super::bench_scheduler::run(super::bench_scheduler::Args {
+            hosts,
+            jobs,
+            runs: runs.max(1),
+        })?;
+        match fmt {
+            Format::Json => println!("{json}"),
+            Format::Table => print!("{text}"),
+        }
+        return Ok(());
+    }
     let tmp = tempfile::Builder::new().prefix("gpucp-bench-").tempdir()?;
     let dir = keep_data.unwrap_or_else(|| tmp.path().to_owned());
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
@@ -59,6 +83,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             BenchCommand::Submit { clients, seconds } => {
                 submit(&cluster, &clients, Duration::from_secs(seconds)).await
             }
+            BenchCommand::Scheduler { .. } => unreachable!("runs in process, above"),
         }
     })?;
     match fmt {

@@ -36,6 +36,8 @@ pub struct LeaderConfig {
     /// A leader that has not heard from a quorum for longer than this stops vouching for
     /// node leases (heartbeats, assignment streams).
     pub max_quorum_silence: Duration,
+    /// The scheduling policy's settings.
+    pub policy: scheduler::Policy,
 }
 
 /// Watches Raft metrics and runs the leader loops while this replica leads.
@@ -103,7 +105,7 @@ async fn leader_loops(
             _ = tokio::time::sleep(config.schedule_interval.saturating_sub(last_pass.elapsed())) => {}
         }
         last_pass = Instant::now();
-        match schedule_once(&replica, term).await {
+        match schedule_once(&replica, term, &config.policy).await {
             Ok(false) => {}
             Ok(true) => {
                 // Placements were proposed but none stuck (the view was stale): do not spin on
@@ -132,28 +134,54 @@ async fn leader_loops(
 }
 
 /// One scheduling pass. Returns whether a plan was proposed and entirely refused.
-async fn schedule_once(replica: &Replica, term: u64) -> Result<bool, ApiError> {
-    let placements = {
+async fn schedule_once(
+    replica: &Replica,
+    term: u64,
+    policy: &scheduler::Policy,
+) -> Result<bool, ApiError> {
+    let plan = {
         let data = replica.sm.read();
-        scheduler::plan(&data.cluster, crate::replica::now_ms())
+        scheduler::plan_with(&data.cluster, crate::replica::now_ms(), policy)
     };
-    if placements.is_empty() {
+    if plan.is_empty() {
         return Ok(false);
     }
-    let proposed = placements.len();
-    match replica.write(Command::Place { term, placements }).await? {
-        Outcome::Placed { accepted, rejected } => {
-            for (job, reason) in &rejected {
-                tracing::debug!(job, reason, "placement refused at apply");
+    if let Some(r) = &plan.reservation {
+        tracing::debug!(job = r.job, start_at = r.start_at, nodes = ?r.nodes, "backfill reservation");
+    }
+    let mut refused = true;
+    if !plan.placements.is_empty() {
+        let proposed = plan.placements.len();
+        let placements = plan.placements;
+        match replica.write(Command::Place { term, placements }).await? {
+            Outcome::Placed { accepted, rejected } => {
+                for (job, reason) in &rejected {
+                    tracing::debug!(job, reason, "placement refused at apply");
+                }
+                tracing::debug!(proposed, accepted = accepted.len(), "scheduling pass");
+                refused &= accepted.is_empty();
             }
-            tracing::debug!(proposed, accepted = accepted.len(), "scheduling pass");
-            Ok(accepted.is_empty())
-        }
-        other => {
-            tracing::warn!(?other, "unexpected outcome of a plan");
-            Ok(true)
+            other => tracing::warn!(?other, "unexpected outcome of a plan"),
         }
     }
+    for p in plan.preemptions {
+        let command = Command::Preempt {
+            for_job: p.for_job,
+            victims: p.victims,
+            reason: String::new(),
+        };
+        match replica.write(command).await? {
+            Outcome::Preempted { accepted, rejected } => {
+                for (job, reason) in &rejected {
+                    tracing::debug!(job, reason, "preemption refused at apply");
+                }
+                tracing::info!(for_job = p.for_job, victims = ?accepted, "preempted");
+                refused &= accepted.is_empty();
+            }
+            other => tracing::warn!(?other, "unexpected outcome of a preemption"),
+        }
+    }
+    Ok(refused)
 }
 
 /// Declares lost every node whose agent has been silent for lease + grace.

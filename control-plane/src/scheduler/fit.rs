@@ -1,8 +1,5 @@
-//! What is free on a node, and which GPUs a task should get there.
+//! Which GPUs a task should get inside a node: the best-connected free set by the link matrix.
 
-use std::collections::BTreeSet;
-
-use crate::state::{ClusterState, GpuHealth, Job, Node};
 
 /// Rank of a link as `nvidia-smi topo -m` prints it: higher is better connected.
 pub fn link_rank(cell: &str) -> u32 {
@@ -17,80 +14,6 @@ pub fn link_rank(cell: &str) -> u32 {
             Some(links) => 100 + links,
             None => 0,
         },
-    }
-}
-
-/// Free resources of one node during a pass.
-#[derive(Debug, Clone)]
-pub struct NodeFree {
-    /// (index, uuid, model) of healthy GPUs no allocation holds.
-    pub gpus: Vec<(u32, String, String)>,
-    pub cpu_milli: u64,
-    pub memory_mib: u64,
-    /// Link matrix cells by GPU index, when the node reported one.
-    pub topology: Vec<Vec<String>>,
-}
-
-impl NodeFree {
-    /// `used`: CPU (milli) and memory (MiB) that live allocations already take on the node.
-    pub fn of(state: &ClusterState, node: &Node, used: (u64, u64)) -> NodeFree {
-        let gpus = node
-            .spec
-            .gpus
-            .iter()
-            .filter(|g| g.health == GpuHealth::Healthy && !state.gpu_holder.contains_key(&g.uuid))
-            .map(|g| (g.index, g.uuid.clone(), g.model.clone()))
-            .collect();
-        let (cpu, mem) = used;
-        NodeFree {
-            gpus,
-            cpu_milli: node.spec.cpu_milli.saturating_sub(cpu),
-            memory_mib: node.spec.memory_mib.saturating_sub(mem),
-            topology: node.spec.topology.clone(),
-        }
-    }
-
-    fn usable(&self, job: &Job) -> impl Iterator<Item = &(u32, String, String)> {
-        let models = &job.spec.gpu_models;
-        self.gpus
-            .iter()
-            .filter(move |(_, _, model)| models.is_empty() || models.contains(model))
-    }
-
-    pub fn free_gpu_count(&self, job: &Job) -> usize {
-        self.usable(job).count()
-    }
-
-    pub fn fits(&self, job: &Job) -> bool {
-        self.free_gpu_count(job) >= job.spec.gpus_per_task as usize
-            && self.cpu_milli >= job.spec.cpu_milli_per_task
-            && self.memory_mib >= job.spec.memory_mib_per_task
-    }
-
-    /// The GPUs a task of `job` gets on this node: the best-connected free set.
-    pub fn choose_gpus(&self, job: &Job) -> Option<Vec<String>> {
-        let candidates: Vec<(u32, String)> =
-            self.usable(job).map(|(i, u, _)| (*i, u.clone())).collect();
-        let indexes: Vec<u32> = candidates.iter().map(|(i, _)| *i).collect();
-        let chosen = best_gpu_set(&self.topology, &indexes, job.spec.gpus_per_task as usize)?;
-        Some(
-            chosen
-                .into_iter()
-                .filter_map(|i| {
-                    candidates
-                        .iter()
-                        .find(|(ci, _)| *ci == i)
-                        .map(|(_, u)| u.clone())
-                })
-                .collect(),
-        )
-    }
-
-    pub fn take(&mut self, job: &Job, gpus: &[String]) {
-        let taken: BTreeSet<&String> = gpus.iter().collect();
-        self.gpus.retain(|(_, uuid, _)| !taken.contains(uuid));
-        self.cpu_milli = self.cpu_milli.saturating_sub(job.spec.cpu_milli_per_task);
-        self.memory_mib = self.memory_mib.saturating_sub(job.spec.memory_mib_per_task);
     }
 }
 

@@ -1,161 +1,184 @@
-//! Scheduling policy: pure code that looks at the cluster state and proposes placements.
-//! `plan(&ClusterState, now) -> Vec<JobPlacement>`; the leader proposes the result as one Raft
-//! entry and `apply` re-checks every placement against the state at that point in the log, so a
-//! plan computed on a slightly stale view can never double-book a GPU.
+//! Scheduling policy: pure code that looks at the cluster state and proposes a plan —
+//! placements, preemptions, and the head job's backfill reservation. The leader proposes the
+//! plan as Raft entries and `apply` re-checks every placement and victim against the state at
+//! that point in the log, so a plan computed on a slightly stale view can never double-book a
+//! GPU or break a quota.
 //!
-//! This first policy is deliberately plain: queue order by priority class then submission,
-//! dependencies honoured, whole GPUs, partitions and GPU models, all-or-nothing gangs, best-fit
-//! node choice (fewest free GPUs that still fit) and, inside a node, the best-connected free set
-//! according to its link matrix. Fair share, quotas, backfill reservations, preemption, MIG and
-//! fragmentation-aware scoring belong to the scheduling-policy work and will replace `order`
-//! and `score` here.
+//! A pass is a pipeline of small steps, each in its own module:
+//! - `queue`: which job next — priority classes raised by aging (a bounded wait for every job),
+//!   fair share across tenants by decayed GPU-seconds and weight, then submission order;
+//!   dependencies honoured.
+//! - tenant limits: a job that would take its tenant past `max_gpus` waits (invariant 5).
+//! - `fleet` + `placement`: where it goes — partition, GPU model, CPU, memory, whole GPUs, MIG
+//!   slices or milli-GPU shares; among the nodes that fit, the placement that leaves the least
+//!   fragmentation for the expected workload (`score`, `frag`: FGD, USENIX ATC '23); inside the
+//!   node, the best-connected GPUs (`fit`). Gangs are all-or-nothing and prefer one rack.
+//! - `backfill`: the first job that cannot start gets a reservation; later jobs start only if
+//!   they cannot delay it.
+//! - `preempt`: that job may evict the cheapest set of lower-priority preemptible jobs, or
+//!   reclaim its tenant's guaranteed quota from borrowers.
 
+mod backfill;
 mod fit;
+pub mod fleet;
+pub mod frag;
+pub mod placement;
+mod preempt;
+pub mod queue;
+pub mod score;
 
 use std::collections::BTreeMap;
 
-use crate::state::{
-    ClusterState, DependencyKind, Job, JobPlacement, JobState, NodeStatus, TaskPlacement, Timestamp,
-};
-pub use fit::{NodeFree, best_gpu_set, link_rank};
+use serde::Serialize;
 
-/// Most jobs one pass looks at, so a pass stays cheap however long the queue is.
-const MAX_JOBS_PER_PASS: usize = 10_000;
+use crate::state::{ClusterState, Job, JobPlacement, MILLI_PER_GPU, TaskPlacement, Timestamp};
+pub use backfill::{Reservation, end_if_started};
+pub use fit::{best_gpu_set, link_rank};
+use fleet::{Fleet, NodeIdx};
+use frag::Workload;
+use placement::{Placer, Scorer, Shape, Units, unit_uuids};
+pub use preempt::Preemption;
+pub use queue::dependencies_met;
+pub use score::ScorePolicy;
 
-fn priority_rank(class: &str) -> u8 {
-    match class {
-        "high" => 2,
-        "normal" => 1,
-        _ => 0,
+/// Settings of the policy. One place for every default.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    /// A pending job rises one priority level per step of eligible waiting.
+    pub aging_step_ms: u64,
+    /// Reserve for the head job and let later jobs start only if they do not delay it. Off:
+    /// nothing behind a blocked head job starts (strict order).
+    pub backfill: bool,
+    /// The head job may evict lower-priority preemptible work or reclaim guaranteed quota.
+    pub preemption: bool,
+    /// How candidate nodes are scored.
+    pub scoring: ScorePolicy,
+    /// Most pending jobs one pass considers, so a pass stays cheap however long the queue.
+    pub max_jobs_per_pass: usize,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            aging_step_ms: 30 * 60 * 1000,
+            backfill: true,
+            preemption: true,
+            scoring: ScorePolicy::Fgd,
+            max_jobs_per_pass: 10_000,
+        }
     }
 }
 
-/// Whether a pending job's dependencies allow it to start now.
-pub fn dependencies_met(state: &ClusterState, job: &Job) -> bool {
-    job.spec.dependencies.iter().all(|d| {
-        let Some(dep) = state.jobs.get(&d.job) else {
-            return false;
-        };
-        match d.kind {
-            DependencyKind::AfterOk => dep.state == JobState::Succeeded,
-            DependencyKind::AfterAny => dep.state.is_final(),
-            DependencyKind::AfterNotOk => dep.state.is_final() && dep.state != JobState::Succeeded,
-        }
-    })
+/// What one pass decided.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Plan {
+    pub placements: Vec<JobPlacement>,
+    pub preemptions: Vec<Preemption>,
+    pub reservation: Option<Reservation>,
 }
 
-/// Pending jobs in the order the queue serves them.
-pub fn queue_order(state: &ClusterState) -> Vec<&Job> {
-    let mut pending: Vec<&Job> = state
-        .jobs
-        .values()
-        .filter(|j| j.state == JobState::Pending && j.allocations.is_empty())
-        .collect();
-    pending.sort_by_key(|j| {
-        (
-            std::cmp::Reverse(priority_rank(&j.spec.priority_class)),
-            j.id,
-        )
-    });
-    pending.truncate(MAX_JOBS_PER_PASS);
-    pending
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.placements.is_empty() && self.preemptions.is_empty()
+    }
+}
+
+/// A job placed now must end at least this long before a reservation starts to count as ending
+/// before it (its allocation is created when the plan applies, a little after `now`).
+const SHORT_JOB_MARGIN_MS: u64 = 1000;
+
+/// One scheduling pass with the default policy.
+pub fn plan(state: &ClusterState, now: Timestamp) -> Plan {
+    plan_with(state, now, &Policy::default())
 }
 
 /// One scheduling pass.
-pub fn plan(state: &ClusterState, _now: Timestamp) -> Vec<JobPlacement> {
-    // CPU and memory in use per node, in one pass over the allocations.
-    let mut usage: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-    for rec in state.allocations.values() {
-        if let Some(job) = state.jobs.get(&rec.allocation.job) {
-            let u = usage.entry(rec.allocation.node.as_str()).or_default();
-            u.0 += job.spec.cpu_milli_per_task;
-            u.1 += job.spec.memory_mib_per_task;
-        }
-    }
-    let mut free: BTreeMap<&str, NodeFree> = state
-        .nodes
-        .values()
-        .filter(|n| n.status == NodeStatus::Ready)
-        .map(|n| {
-            let used = usage.get(n.spec.name.as_str()).copied().unwrap_or((0, 0));
-            (n.spec.name.as_str(), NodeFree::of(state, n, used))
-        })
-        .collect();
-    // Nothing free anywhere: skip ordering the queue (a pass runs after every applied entry,
-    // and a long queue on a full cluster must not cost a sort each time).
-    if free.values().all(|f| f.gpus.is_empty() && f.cpu_milli == 0) {
-        return Vec::new();
-    }
-    let mut placements = Vec::new();
-    // GPUs each limited tenant holds, updated as this pass places its jobs.
+pub fn plan_with(state: &ClusterState, now: Timestamp, policy: &Policy) -> Plan {
+    let mut queue = queue::Queue::build(state, now, policy.aging_step_ms, policy.max_jobs_per_pass);
+    let workload = expected_workload(state);
+    let scorer = Scorer {
+        policy: policy.scoring.clone(),
+        workload,
+    };
+    let mut placer = Placer::new(Fleet::build(state), scorer);
+    let mut plan = Plan::default();
+    // GPU capacity (milli) each limited tenant holds, updated as this pass places its jobs.
     let mut held: BTreeMap<&str, u64> = BTreeMap::new();
-    for job in queue_order(state) {
-        if !dependencies_met(state, job) {
-            continue;
-        }
+    let mut head: Option<(&Job, Shape)> = None;
+    let mut planned: Vec<(NodeIdx, Option<Timestamp>, Shape, Units)> = Vec::new();
+    while let Some(job) = queue.next_job() {
         let tenant = job.spec.tenant.as_str();
         let limit = state
             .tenants
             .get(tenant)
-            .map(|t| u64::from(t.max_gpus))
+            .map(|t| u64::from(t.max_gpus) * MILLI_PER_GPU)
             .filter(|m| *m > 0);
         if let Some(limit) = limit {
             let h = *held
                 .entry(tenant)
-                .or_insert_with(|| state.gpus_held_by_tenant(tenant));
-            if h + job.spec.total_gpus() > limit {
+                .or_insert_with(|| state.gpu_milli_held_by_tenant(tenant));
+            if h + job.spec.total_gpu_milli() > limit {
                 continue;
             }
         }
-        if let Some(p) = place_job(state, job, &mut free) {
-            if limit.is_some() {
-                *held.entry(tenant).or_default() += job.spec.total_gpus();
+        let shape = Shape::of(&job.spec);
+        let end = end_if_started(job, now);
+        let long = match &plan.reservation {
+            Some(r) => end.is_none_or(|e| e + SHORT_JOB_MARGIN_MS > r.start_at),
+            None => false,
+        };
+        match placer.place(&shape, job.spec.tasks, long) {
+            Some(tasks) => {
+                if limit.is_some() {
+                    *held.entry(tenant).or_default() += job.spec.total_gpu_milli();
+                }
+                queue.charge(tenant, queue::expected_gpu_seconds(job));
+                let mut placed = Vec::with_capacity(tasks.len());
+                for (idx, units) in tasks {
+                    let node = placer.fleet.nodes[idx as usize].node;
+                    placed.push(TaskPlacement {
+                        node: node.spec.name.clone(),
+                        gpus: unit_uuids(node, &units),
+                    });
+                    planned.push((idx, end, shape.clone(), units));
+                }
+                plan.placements.push(JobPlacement {
+                    job: job.id,
+                    tasks: placed,
+                });
             }
-            placements.push(p);
+            None if head.is_none() => {
+                if !policy.backfill {
+                    head = Some((job, shape));
+                    break;
+                }
+                plan.reservation = backfill::reserve(state, &mut placer, job, &shape, now, &planned);
+                head = Some((job, shape));
+            }
+            None => {}
         }
     }
-    placements
+    if policy.preemption
+        && let Some((job, shape)) = &head
+        && let Some(p) = preempt::select(state, &placer, job, shape, now)
+    {
+        plan.preemptions.push(p);
+    }
+    plan
 }
 
-/// Places every task of `job` or none. Only the nodes the job touches are copied, so a gang
-/// that does not fit leaves `free` as it was without cloning the whole fleet per job.
-fn place_job<'a>(
-    state: &ClusterState,
-    job: &Job,
-    free: &mut BTreeMap<&'a str, NodeFree>,
-) -> Option<JobPlacement> {
-    let mut touched: BTreeMap<&'a str, NodeFree> = BTreeMap::new();
-    let mut tasks = Vec::with_capacity(job.spec.tasks as usize);
-    for _ in 0..job.spec.tasks {
-        // Best fit: the eligible node with the fewest free GPUs that still holds the task, so
-        // large free blocks stay whole for large jobs. Ties go to the node name (stable).
-        let name = free
-            .iter()
-            .map(|(name, f)| (*name, touched.get(name).unwrap_or(f)))
-            .filter(|(name, f)| eligible(state, job, name) && f.fits(job))
-            .map(|(name, f)| (name, f.free_gpu_count(job)))
-            .min_by_key(|(name, count)| (*count, *name))
-            .map(|(name, _)| name)?;
-        let node = touched.entry(name).or_insert_with(|| free[name].clone());
-        let gpus = node.choose_gpus(job)?;
-        node.take(job, &gpus);
-        tasks.push(TaskPlacement {
-            node: name.to_owned(),
-            gpus,
-        });
-    }
-    free.extend(touched);
-    Some(JobPlacement { job: job.id, tasks })
-}
-
-fn eligible(state: &ClusterState, job: &Job, node: &str) -> bool {
-    let Some(n) = state.nodes.get(node) else {
-        return false;
-    };
-    match &job.spec.partition {
-        Some(p) => n.spec.partition.as_deref() == Some(p.as_str()),
-        None => true,
-    }
+/// The workload fragmentation is measured against: the shapes of pending work and of what
+/// runs now (a sample of each, so the cost stays bounded on large clusters).
+fn expected_workload(state: &ClusterState) -> Workload {
+    const SAMPLE: usize = 2_000;
+    let pending = state.pending_jobs().take(SAMPLE);
+    let running = state.jobs_with_allocations().take(SAMPLE);
+    let shapes: Vec<Shape> = pending
+        .chain(running)
+        .filter(|j| j.spec.mig_profile.is_none())
+        .map(|j| Shape::of(&j.spec))
+        .collect();
+    Workload::from_demands(shapes.iter().map(Shape::scored_demand))
 }
 
 #[cfg(test)]

@@ -82,6 +82,11 @@ impl World {
         );
     }
 
+    /// The leader's clock: just after the last applied command.
+    fn now(&self) -> u64 {
+        1000 + self.index
+    }
+
     fn submit(&mut self, spec: JobSpec) -> u64 {
         match self.apply(Command::submit(spec, None)) {
             Outcome::JobSubmitted { id, .. } => id,
@@ -91,7 +96,7 @@ impl World {
 
     /// Plans and commits the plan, as the leader does.
     fn schedule(&mut self) -> Vec<JobPlacement> {
-        let plan = plan(&self.state, 0);
+        let plan = plan(&self.state, self.now()).placements;
         let outcome = self.apply(Command::Place {
             term: 1,
             placements: plan.clone(),
@@ -115,6 +120,12 @@ fn job(gpus: u32) -> JobSpec {
         priority_class: "normal".into(),
         ..JobSpec::default()
     }
+}
+
+/// Job ids in the order a pass would consider them.
+fn queue_order(state: &ClusterState, now: u64) -> Vec<u64> {
+    let mut q = queue::Queue::build(state, now, Policy::default().aging_step_ms, usize::MAX);
+    std::iter::from_fn(|| q.next_job()).map(|j| j.id).collect()
 }
 
 fn gpu_indexes(p: &JobPlacement) -> Vec<u32> {
@@ -194,7 +205,7 @@ fn higher_priority_is_served_first_then_submission_order() {
         priority_class: "high".into(),
         ..job(2)
     });
-    let order: Vec<u64> = queue_order(&w.state).iter().map(|j| j.id).collect();
+    let order = queue_order(&w.state, w.now());
     assert_eq!(order, vec![high, normal, low]);
     let p = w.schedule();
     assert_eq!(p.len(), 1);
@@ -221,7 +232,7 @@ fn a_gang_is_placed_whole_or_not_at_all() {
     w.node("b", 4, "H100", "", None);
     let gang = w.submit(JobSpec { tasks: 3, ..job(4) });
     assert!(
-        plan(&w.state, 0).is_empty(),
+        plan(&w.state, w.now()).placements.is_empty(),
         "three 4-GPU tasks cannot fit on two 4-GPU nodes"
     );
     let two = w.submit(JobSpec { tasks: 2, ..job(4) });
@@ -270,7 +281,10 @@ fn partitions_models_and_health_are_respected() {
         ..job(3)
     });
     assert!(
-        plan(&w.state, 0).iter().all(|p| p.job != three),
+        plan(&w.state, w.now())
+            .placements
+            .iter()
+            .all(|p| p.job != three),
         "only 2 healthy free H100s remain"
     );
 }
@@ -318,7 +332,7 @@ fn drained_nodes_get_no_new_work() {
         reason: String::new(),
     });
     w.submit(job(1));
-    assert!(plan(&w.state, 0).is_empty());
+    assert!(plan(&w.state, w.now()).placements.is_empty());
 }
 
 #[test]
@@ -357,4 +371,629 @@ fn a_tenant_never_exceeds_its_gpu_limit() {
         matches!(outcome, Outcome::Placed { ref accepted, .. } if accepted.is_empty()),
         "{outcome:?}"
     );
+}
+
+// ---- Policy behaviour added with shares, MIG, fairness, backfill and preemption ----
+
+impl World {
+    /// Registers a node with explicit per-GPU NUMA nodes, MIG slices and labels.
+    fn node_with(&mut self, name: &str, gpus: Vec<Gpu>, topology: &str, labels: &[(&str, &str)]) {
+        let spec = NodeSpec {
+            name: name.into(),
+            gpus,
+            cpu_milli: 64_000,
+            memory_mib: 512 * 1024,
+            partition: None,
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            topology: matrix(topology),
+            agent_address: String::new(),
+            driver: String::new(),
+            incarnation: String::new(),
+        };
+        assert_eq!(self.apply(Command::RegisterNode { spec }), Outcome::NodeRegistered);
+    }
+
+    fn tenant(&mut self, name: &str, weight: u32, quota: u32, max: u32) {
+        self.apply(Command::PutTenant {
+            tenant: crate::state::Tenant {
+                name: name.into(),
+                weight,
+                quota_gpus: quota,
+                max_gpus: max,
+            },
+        });
+    }
+
+    fn start_all(&mut self) {
+        let ids: Vec<u64> = self
+            .state
+            .allocations
+            .iter()
+            .filter(|(_, r)| !r.started)
+            .map(|(id, _)| *id)
+            .collect();
+        for allocation in ids {
+            self.apply(Command::AllocationStarted { allocation });
+        }
+    }
+
+    fn exit_all_of(&mut self, job: u64, outcome: TaskOutcome) {
+        for allocation in self.state.jobs[&job].allocations.clone() {
+            self.apply(Command::AllocationExited {
+                allocation,
+                outcome: outcome.clone(),
+            });
+        }
+    }
+
+    /// Commits a plan's preemptions as the leader does.
+    fn preempt(&mut self, plan: &Plan) -> Vec<u64> {
+        let mut accepted = Vec::new();
+        for p in &plan.preemptions {
+            match self.apply(Command::Preempt {
+                for_job: p.for_job,
+                victims: p.victims.clone(),
+                reason: String::new(),
+            }) {
+                Outcome::Preempted { accepted: a, rejected } => {
+                    assert!(rejected.is_empty(), "{rejected:?}");
+                    accepted.extend(a);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        accepted
+    }
+}
+
+fn gpu(node: &str, i: u32, numa: Option<u32>) -> Gpu {
+    Gpu {
+        uuid: format!("{node}-gpu{i}"),
+        index: i,
+        model: "A100".into(),
+        memory_mib: 81_920,
+        numa_node: numa,
+        pci_bus_id: String::new(),
+        health: GpuHealth::Healthy,
+        mig: Vec::new(),
+    }
+}
+
+fn share(milli: u32) -> JobSpec {
+    JobSpec {
+        gpu_milli: milli,
+        ..job(1)
+    }
+}
+
+#[test]
+fn shares_pack_onto_one_gpu_up_to_a_thousand_milli() {
+    let mut w = World::new();
+    w.node("n", 2, "A100", "", None);
+    let jobs: Vec<u64> = (0..4).map(|_| w.submit(share(250))).collect();
+    let p = w.schedule();
+    assert_eq!(p.len(), 4);
+    let gpus: std::collections::BTreeSet<&str> =
+        p.iter().map(|x| x.tasks[0].gpus[0].as_str()).collect();
+    assert_eq!(gpus.len(), 1, "four quarter shares fill one GPU: {p:?}");
+    assert_eq!(w.state.shared_milli(gpus.first().unwrap()), 1000);
+    // A whole-GPU job takes the other GPU, and a fifth share has nowhere to go.
+    let whole = w.submit(job(1));
+    let fifth = w.submit(share(250));
+    let p = w.schedule();
+    assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![whole]);
+    assert!(w.state.jobs[&fifth].allocations.is_empty());
+    w.exit_all_of(jobs[0], TaskOutcome::Succeeded);
+    let p = w.schedule();
+    assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![fifth]);
+    assert_eq!(w.state.check_consistency(), Ok(()));
+}
+
+#[test]
+fn a_share_never_exceeds_the_gpus_memory() {
+    let mut w = World::new();
+    w.node("n", 1, "A100", "", None);
+    let big = |w: &mut World| {
+        w.submit(JobSpec {
+            gpu_memory_mib: 50_000,
+            ..share(200)
+        })
+    };
+    let a = big(&mut w);
+    let b = big(&mut w);
+    let p = w.schedule();
+    assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![a]);
+    assert!(w.state.jobs[&b].allocations.is_empty(), "50 GB + 50 GB > 80 GB");
+}
+
+#[test]
+fn fgd_puts_a_share_where_it_fragments_least() {
+    let mut w = World::new();
+    w.node("n", 2, "A100", "", None);
+    let half = w.submit(share(500));
+    w.schedule();
+    let first = w.state.allocations_of(half).next().unwrap().allocation.gpus[0].clone();
+    // A second half share completes the used GPU rather than breaking the whole one.
+    let other = w.submit(share(500));
+    let p = w.schedule();
+    assert_eq!(p[0].job, other);
+    assert_eq!(p[0].tasks[0].gpus[0], first);
+}
+
+#[test]
+fn mig_slices_are_scheduled_as_units() {
+    let mut w = World::new();
+    let mut g0 = gpu("m", 0, Some(0));
+    g0.mig = (0..7)
+        .map(|s| crate::state::MigSlice {
+            uuid: format!("MIG-m-0-{s}"),
+            profile: "1g.10gb".into(),
+            memory_mib: 9_728,
+        })
+        .collect();
+    w.node_with("m", vec![g0, gpu("m", 1, Some(0))], "", &[]);
+    let slices = w.submit(JobSpec {
+        mig_profile: Some("1g.10gb".into()),
+        ..job(3)
+    });
+    let whole = w.submit(job(1));
+    let p = w.schedule();
+    let of = |id: u64| p.iter().find(|x| x.job == id).unwrap().tasks[0].gpus.clone();
+    let s = of(slices);
+    assert_eq!(s.len(), 3);
+    assert!(s.iter().all(|u| u.starts_with("MIG-m-0-")), "{s:?}");
+    // The whole-GPU job cannot take the MIG-mode GPU.
+    assert_eq!(of(whole), vec!["m-gpu1".to_owned()]);
+    let more = w.submit(JobSpec {
+        mig_profile: Some("1g.10gb".into()),
+        ..job(4)
+    });
+    let p = w.schedule();
+    assert_eq!(p[0].job, more);
+    let too_many = w.submit(JobSpec {
+        mig_profile: Some("1g.10gb".into()),
+        ..job(1)
+    });
+    assert!(w.schedule().iter().all(|x| x.job != too_many), "all 7 slices are held");
+}
+
+#[test]
+fn a_single_numa_job_waits_rather_than_span_sockets() {
+    let mut w = World::new();
+    const FOUR: &str = "X NODE SYS SYS
+NODE X SYS SYS
+SYS SYS X NODE
+SYS SYS NODE X";
+    let gpus = vec![
+        gpu("s", 0, Some(0)),
+        gpu("s", 1, Some(0)),
+        gpu("s", 2, Some(1)),
+        gpu("s", 3, Some(1)),
+    ];
+    w.node_with("s", gpus, FOUR, &[]);
+    // Hold one GPU on each socket.
+    let a = w.submit(job(1));
+    w.schedule();
+    let b = w.submit(JobSpec {
+        single_numa: true,
+        ..job(2)
+    });
+    w.schedule();
+    assert_eq!(w.state.jobs[&b].allocations.len(), 1, "a same-socket pair was free");
+    let held: Vec<String> = [a, b]
+        .iter()
+        .flat_map(|j| w.state.allocations_of(*j).flat_map(|r| r.allocation.gpus.clone()))
+        .collect();
+    assert_eq!(held.len(), 3);
+    let strict = w.submit(JobSpec {
+        single_numa: true,
+        ..job(1)
+    });
+    let p = w.schedule();
+    assert_eq!(p[0].job, strict, "one GPU is always on one NUMA node");
+    // Now one GPU on one socket... nothing left; a spanning pair would be refused anyway.
+    assert!(w.state.check_consistency().is_ok());
+}
+
+#[test]
+fn a_single_numa_pair_is_refused_when_only_a_cross_socket_pair_is_free() {
+    let mut w = World::new();
+    const FOUR: &str = "X NODE SYS SYS
+NODE X SYS SYS
+SYS SYS X NODE
+SYS SYS NODE X";
+    let gpus = vec![
+        gpu("s", 0, Some(0)),
+        gpu("s", 1, Some(0)),
+        gpu("s", 2, Some(1)),
+        gpu("s", 3, Some(1)),
+    ];
+    w.node_with("s", gpus, FOUR, &[]);
+    let hold = w.submit(job(1));
+    let hold2 = w.submit(job(1));
+    w.schedule();
+    // Free GPUs must now be one per socket; otherwise this test is moot.
+    let mut held: Vec<u32> = [hold, hold2]
+        .iter()
+        .flat_map(|j| gpu_indexes(&plan_of(&w, *j)))
+        .collect();
+    held.sort_unstable();
+    if held == vec![0, 2] || held == vec![1, 3] || held == vec![0, 3] || held == vec![1, 2] {
+        let strict = w.submit(JobSpec {
+            single_numa: true,
+            ..job(2)
+        });
+        let loose = w.submit(job(2));
+        let p = w.schedule();
+        assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![loose]);
+        assert!(w.state.jobs[&strict].allocations.is_empty());
+    } else {
+        // Best fit packed both onto one socket: the other socket's pair serves a strict job.
+        let strict = w.submit(JobSpec {
+            single_numa: true,
+            ..job(2)
+        });
+        let p = w.schedule();
+        assert_eq!(p[0].job, strict);
+        let set = gpu_indexes(&p[0]);
+        assert!(set == vec![0, 1] || set == vec![2, 3], "{set:?}");
+    }
+}
+
+#[test]
+fn a_gang_prefers_hosts_in_one_rack() {
+    let mut w = World::new();
+    for (name, rack) in [("a1", "ra"), ("b1", "rb"), ("a2", "ra"), ("b2", "rb")] {
+        let gpus = (0..4).map(|i| gpu(name, i, Some(0))).collect();
+        w.node_with(name, gpus, "", &[("rack", rack)]);
+    }
+    // Take one GPU on a1 so rack ra cannot hold two 4-GPU tasks.
+    w.submit(job(1));
+    w.schedule();
+    let gang = w.submit(JobSpec { tasks: 2, ..job(4) });
+    let p = w.schedule();
+    let g = p.iter().find(|x| x.job == gang).unwrap();
+    let mut nodes: Vec<&str> = g.tasks.iter().map(|t| t.node.as_str()).collect();
+    nodes.sort_unstable();
+    assert_eq!(nodes, vec!["b1", "b2"], "both tasks in rack rb");
+}
+
+#[test]
+fn aging_bounds_the_wait_of_low_priority_work() {
+    let mut w = World::new();
+    w.node("n", 1, "A100", "", None);
+    let low = w.submit(JobSpec {
+        priority_class: "low".into(),
+        ..job(1)
+    });
+    let high = w.submit(JobSpec {
+        priority_class: "high".into(),
+        ..job(1)
+    });
+    let step = Policy::default().aging_step_ms;
+    // Fresh: high first.
+    assert_eq!(queue_order(&w.state, w.now()), vec![high, low]);
+    // After three aging steps the low job has reached the aged level; a high job submitted
+    // now is only at level 2 and waits behind it.
+    let later = w.now() + 3 * step;
+    assert_eq!(queue::level(&w.state.jobs[&low], 0, later, step), queue::AGED_LEVEL);
+    let mut old_state = w.state.clone();
+    let fresh_high = {
+        let spec = JobSpec {
+            priority_class: "high".into(),
+            ..job(1)
+        };
+        match old_state.apply(&Command::submit(spec, None), later, w.index + 1).outcome {
+            Outcome::JobSubmitted { id, .. } => id,
+            other => panic!("{other:?}"),
+        }
+    };
+    let order = queue_order(&old_state, later);
+    // Both old jobs are aged (FIFO among them: low was submitted first); the fresh one is last.
+    assert_eq!(order, vec![low, high, fresh_high]);
+}
+
+#[test]
+fn fair_share_alternates_tenants_and_favours_light_users() {
+    let mut w = World::new();
+    w.node("n", 8, "A100", "", None);
+    w.tenant("heavy", 1, 0, 0);
+    w.tenant("light", 1, 0, 0);
+    // "heavy" ran 4 GPUs for an hour.
+    let past = w.submit(JobSpec {
+        tenant: "heavy".into(),
+        ..job(4)
+    });
+    w.schedule();
+    w.index += 3600 * 1000;
+    w.exit_all_of(past, TaskOutcome::Succeeded);
+    assert!(w.state.tenant_usage["heavy"].gpu_seconds_at(w.now()) > 14_000.0);
+    let h: Vec<u64> = (0..3)
+        .map(|_| {
+            w.submit(JobSpec {
+                tenant: "heavy".into(),
+                ..job(1)
+            })
+        })
+        .collect();
+    let l: Vec<u64> = (0..3)
+        .map(|_| {
+            w.submit(JobSpec {
+                tenant: "light".into(),
+                ..job(1)
+            })
+        })
+        .collect();
+    let order = queue_order(&w.state, w.now());
+    // The light tenant goes first; within a tenant, submission order.
+    assert_eq!(order[0], l[0]);
+    assert_eq!(order.iter().filter(|j| h.contains(j)).copied().collect::<Vec<_>>(), h);
+    assert_eq!(order.iter().filter(|j| l.contains(j)).copied().collect::<Vec<_>>(), l);
+}
+
+#[test]
+fn fair_share_follows_weights() {
+    let mut w = World::new();
+    w.node("n", 8, "A100", "", None);
+    w.tenant("a", 3, 0, 0);
+    w.tenant("b", 1, 0, 0);
+    for t in ["a", "b"] {
+        let j = w.submit(JobSpec {
+            tenant: t.into(),
+            ..job(2)
+        });
+        w.schedule();
+        w.index += 3600 * 1000;
+        w.exit_all_of(j, TaskOutcome::Succeeded);
+    }
+    // Equal usage, but "a" has three times the weight: it goes first.
+    let b = w.submit(JobSpec {
+        tenant: "b".into(),
+        ..job(1)
+    });
+    let a = w.submit(JobSpec {
+        tenant: "a".into(),
+        ..job(1)
+    });
+    let order = queue_order(&w.state, w.now());
+    assert_eq!(order, vec![a, b]);
+}
+
+#[test]
+fn backfill_starts_short_jobs_but_never_delays_the_head_job() {
+    let mut w = World::new();
+    w.node("n", 4, "A100", "", None);
+    // Three GPUs busy for an hour.
+    let running = w.submit(JobSpec {
+        time_limit_secs: Some(3600),
+        ..job(3)
+    });
+    w.schedule();
+    w.start_all();
+    // Head: needs all 4 GPUs; can start when `running` hits its limit.
+    let head = w.submit(JobSpec {
+        time_limit_secs: Some(3600),
+        ..job(4)
+    });
+    // A 10-minute job fits in the free GPU and ends long before: backfilled.
+    let short = w.submit(JobSpec {
+        time_limit_secs: Some(600),
+        ..job(1)
+    });
+    // A two-hour job would still hold the GPU when the head should start: not started.
+    let long = w.submit(JobSpec {
+        time_limit_secs: Some(7200),
+        ..job(1)
+    });
+    let no_limit = w.submit(job(1));
+    let plan = plan(&w.state, w.now());
+    let r = plan.reservation.clone().expect("the head job gets a reservation");
+    assert_eq!(r.job, head);
+    let created = w.state.allocations_of(running).next().unwrap().allocation.created_at;
+    assert_eq!(r.start_at, created + 3600 * 1000);
+    assert_eq!(r.nodes.get("n"), Some(&1));
+    let placed: Vec<u64> = plan.placements.iter().map(|p| p.job).collect();
+    assert_eq!(placed, vec![short]);
+    assert!(!placed.contains(&long) && !placed.contains(&no_limit));
+    // Without backfill nothing behind the head starts.
+    let strict = plan_with(
+        &w.state,
+        w.now(),
+        &Policy {
+            backfill: false,
+            ..Policy::default()
+        },
+    );
+    assert!(strict.placements.is_empty());
+}
+
+#[test]
+fn backfill_lets_long_jobs_use_what_the_reservation_leaves() {
+    let mut w = World::new();
+    w.node("a", 4, "A100", "", None);
+    let running = w.submit(JobSpec {
+        time_limit_secs: Some(3600),
+        ..job(2)
+    });
+    w.schedule();
+    // Head wants 3 GPUs: at the reservation it gets the 2 freed plus one free now, so one GPU
+    // stays spare even then, and a job with no limit may take it.
+    let head = w.submit(job(3));
+    let spare = w.submit(job(1));
+    let p = plan(&w.state, w.now());
+    assert_eq!(p.reservation.as_ref().map(|r| r.job), Some(head));
+    assert_eq!(p.placements.iter().map(|x| x.job).collect::<Vec<_>>(), vec![spare]);
+    let _ = running;
+}
+
+#[test]
+fn a_high_priority_job_preempts_the_cheapest_low_priority_work() {
+    let mut w = World::new();
+    w.node("n", 4, "A100", "", None);
+    let old = w.submit(JobSpec {
+        priority_class: "low".into(),
+        preemptible: true,
+        ..job(2)
+    });
+    w.schedule();
+    w.start_all();
+    w.index += 3600 * 1000;
+    let young = w.submit(JobSpec {
+        priority_class: "low".into(),
+        preemptible: true,
+        ..job(1)
+    });
+    let protected = w.submit(JobSpec {
+        priority_class: "low".into(),
+        ..job(1)
+    });
+    w.schedule();
+    w.start_all();
+    w.index += 60 * 1000;
+    let high = w.submit(JobSpec {
+        priority_class: "high".into(),
+        ..job(1)
+    });
+    let p = plan(&w.state, w.now());
+    assert!(p.placements.is_empty());
+    // One GPU is needed: the youngest preemptible job loses least work.
+    assert_eq!(
+        p.preemptions,
+        vec![Preemption {
+            for_job: high,
+            victims: vec![young]
+        }]
+    );
+    assert_eq!(w.preempt(&p), vec![young]);
+    // While the victim stops, no more victims are chosen.
+    assert!(plan(&w.state, w.now()).preemptions.is_empty());
+    w.exit_all_of(young, TaskOutcome::Stopped);
+    assert_eq!(w.state.jobs[&young].state, crate::state::JobState::Pending, "requeued, not lost");
+    let p = w.schedule();
+    assert_eq!(p[0].job, high);
+    assert!(!w.state.jobs[&old].allocations.is_empty());
+    assert!(!w.state.jobs[&protected].allocations.is_empty());
+}
+
+#[test]
+fn non_preemptible_and_equal_priority_work_is_never_preempted() {
+    let mut w = World::new();
+    w.node("n", 2, "A100", "", None);
+    w.submit(JobSpec {
+        priority_class: "low".into(),
+        ..job(2)
+    });
+    w.schedule();
+    w.submit(JobSpec {
+        priority_class: "high".into(),
+        ..job(1)
+    });
+    assert!(plan(&w.state, w.now()).preemptions.is_empty());
+    let mut w = World::new();
+    w.node("n", 2, "A100", "", None);
+    w.submit(JobSpec {
+        preemptible: true,
+        ..job(2)
+    });
+    w.schedule();
+    w.submit(job(1));
+    assert!(plan(&w.state, w.now()).preemptions.is_empty(), "same class");
+}
+
+#[test]
+fn a_tenant_reclaims_its_guaranteed_quota_from_borrowers() {
+    let mut w = World::new();
+    w.node("n", 4, "A100", "", None);
+    w.tenant("owner", 1, 2, 4);
+    w.tenant("borrower", 1, 0, 4);
+    let borrowed: Vec<u64> = (0..4)
+        .map(|_| {
+            w.submit(JobSpec {
+                tenant: "borrower".into(),
+                ..job(1)
+            })
+        })
+        .collect();
+    w.schedule();
+    w.start_all();
+    let mine = w.submit(JobSpec {
+        tenant: "owner".into(),
+        ..job(2)
+    });
+    let p = plan(&w.state, w.now());
+    assert_eq!(p.preemptions.len(), 1);
+    assert_eq!(p.preemptions[0].for_job, mine);
+    assert_eq!(p.preemptions[0].victims.len(), 2);
+    assert!(p.preemptions[0].victims.iter().all(|v| borrowed.contains(v)));
+    // Beyond its quota the owner reclaims nothing.
+    let mut w2 = World::new();
+    w2.node("n", 4, "A100", "", None);
+    w2.tenant("owner", 1, 1, 4);
+    w2.tenant("borrower", 1, 0, 4);
+    for _ in 0..4 {
+        w2.submit(JobSpec {
+            tenant: "borrower".into(),
+            ..job(1)
+        });
+    }
+    w2.schedule();
+    w2.submit(JobSpec {
+        tenant: "owner".into(),
+        ..job(2)
+    });
+    assert!(plan(&w2.state, w2.now()).preemptions.is_empty());
+}
+
+#[test]
+fn a_dependency_that_can_never_be_met_fails_the_job() {
+    let mut w = World::new();
+    w.node("n", 2, "A100", "", None);
+    let first = w.submit(job(1));
+    let after_ok = w.submit(JobSpec {
+        dependencies: vec![Dependency {
+            kind: DependencyKind::AfterOk,
+            job: first,
+        }],
+        ..job(1)
+    });
+    let chained = w.submit(JobSpec {
+        dependencies: vec![Dependency {
+            kind: DependencyKind::AfterAny,
+            job: after_ok,
+        }],
+        ..job(1)
+    });
+    w.schedule();
+    w.exit_all_of(
+        first,
+        TaskOutcome::Failed {
+            exit_code: Some(1),
+            signal: None,
+            reason: String::new(),
+        },
+    );
+    let failed = &w.state.jobs[&after_ok];
+    assert_eq!(failed.state, crate::state::JobState::Failed);
+    assert!(
+        failed.history.last().unwrap().reason.contains("can never be satisfied"),
+        "{:?}",
+        failed.history
+    );
+    // afterany is satisfied by the failure: the chain continues.
+    assert_eq!(w.state.jobs[&chained].state, crate::state::JobState::Pending);
+    let p = w.schedule();
+    assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![chained]);
+    // Submitting against an already failed job fails at once, with the reason.
+    let late = w.submit(JobSpec {
+        dependencies: vec![Dependency {
+            kind: DependencyKind::AfterOk,
+            job: first,
+        }],
+        ..job(1)
+    });
+    assert_eq!(w.state.jobs[&late].state, crate::state::JobState::Failed);
+    assert!(w.state.check_consistency().is_ok());
 }

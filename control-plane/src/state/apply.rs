@@ -114,7 +114,7 @@ impl ClusterState {
                 ),
             ));
         }
-        if !self.nodes.is_empty() {
+        if !self.nodes.is_empty() && spec.mig_profile.is_none() {
             let largest = self
                 .nodes
                 .values()
@@ -338,6 +338,9 @@ impl ClusterState {
         } else {
             NodeStatus::Ready
         };
+        self.index
+            .hardware_class
+            .insert(spec.name.clone(), super::hardware_class(&spec));
         self.nodes.insert(
             spec.name.clone(),
             Node {
@@ -663,20 +666,24 @@ impl ClusterState {
             } => Some(Ending {
                 state: JobState::Failed,
                 reason: describe_failure(*exit_code, *signal, reason),
+                preempted_for: None,
             }),
             TaskOutcome::TimedOut => Some(Ending {
                 state: JobState::TimedOut,
                 reason: "time limit reached".into(),
+                preempted_for: None,
             }),
             TaskOutcome::Lost { reason } => Some(Ending {
                 state: JobState::Pending,
                 reason: format!("requeued: {reason}"),
+                preempted_for: None,
             }),
             // Stopped on request: the ending recorded with the request decides; a stop nobody
             // asked for (none recorded) requeues, which never loses work.
             TaskOutcome::Stopped => Some(Ending {
                 state: JobState::Pending,
                 reason: "requeued: task stopped".into(),
+                preempted_for: None,
             }),
         };
         if let Some(e) = ending
@@ -704,6 +711,7 @@ impl ClusterState {
         let end = job.ending.take().unwrap_or(Ending {
             state: JobState::Succeeded,
             reason: "all tasks exited 0".into(),
+            preempted_for: None,
         });
         self.transition(job_id, end.state, &end.reason, at, index);
         Outcome::Done
@@ -811,6 +819,10 @@ impl ClusterState {
 
     /// Asks every task of a running job to stop and requeues the job once they have.
     pub(super) fn end_job_requeue(&mut self, job: JobId, reason: &str) {
+        self.stop_and_requeue(job, reason, None);
+    }
+
+    fn stop_and_requeue(&mut self, job: JobId, reason: &str, preempted_for: Option<JobId>) {
         let Some(j) = self.jobs.get_mut(&job) else {
             return;
         };
@@ -821,6 +833,7 @@ impl ClusterState {
             j.ending = Some(Ending {
                 state: JobState::Pending,
                 reason: format!("requeued: {reason}"),
+                preempted_for,
             });
         }
         self.request_stop_of_all(job);
@@ -961,7 +974,7 @@ impl ClusterState {
                     } else {
                         format!("preempted by job {for_job}: {reason}")
                     };
-                    self.end_job_requeue(victim, &reason);
+                    self.stop_and_requeue(victim, &reason, Some(for_job));
                     changed.push(victim);
                     accepted.push(victim);
                 }
@@ -1051,10 +1064,15 @@ pub fn priority_rank(class: &str) -> u8 {
 /// GPU memory a share gets on a GPU of `gpu_memory_mib`: what it asked for, or in proportion to
 /// its milli when it did not say.
 pub fn share_memory_mib(spec: &JobSpec, gpu_memory_mib: u64) -> u64 {
-    if spec.gpu_memory_mib > 0 {
-        spec.gpu_memory_mib
+    share_memory_for(spec.gpu_milli, spec.gpu_memory_mib, gpu_memory_mib)
+}
+
+/// See [`share_memory_mib`]: `requested` 0 means in proportion to `milli`.
+pub fn share_memory_for(milli: u32, requested: u64, gpu_memory_mib: u64) -> u64 {
+    if requested > 0 {
+        requested
     } else {
-        gpu_memory_mib * u64::from(spec.gpu_milli) / MILLI_PER_GPU
+        gpu_memory_mib * u64::from(milli) / MILLI_PER_GPU
     }
 }
 

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 pub use command::{
     Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
 };
+pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use types::*;
 
 /// Extra per-allocation bookkeeping that only the state machine needs.
@@ -79,6 +80,27 @@ pub struct Indexes {
     pub tenant_held_milli: BTreeMap<String, u64>,
     /// Job → pending jobs that depend on it.
     pub dependents: BTreeMap<JobId, BTreeSet<JobId>>,
+    /// Node → fingerprint of its hardware (GPU models, memory, NUMA, MIG layout, link matrix),
+    /// so the scheduler can treat identical hosts alike without comparing matrices each pass.
+    pub hardware_class: BTreeMap<String, u64>,
+}
+
+/// Fingerprint of what a node's hardware offers the scheduler (not its health or usage).
+pub fn hardware_class(spec: &NodeSpec) -> u64 {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same on every replica and run; only used in memory.
+    let mut h = std::hash::DefaultHasher::new();
+    for g in &spec.gpus {
+        g.model.hash(&mut h);
+        g.memory_mib.hash(&mut h);
+        g.numa_node.hash(&mut h);
+        for m in &g.mig {
+            m.profile.hash(&mut h);
+        }
+        0xffu8.hash(&mut h);
+    }
+    spec.topology.hash(&mut h);
+    h.finish()
 }
 
 /// What applying one command did: the outcome for the proposer and which jobs changed (for
@@ -144,6 +166,19 @@ impl ClusterState {
             })
     }
 
+    /// Jobs that hold live allocations (each once).
+    pub fn jobs_with_allocations(&self) -> impl Iterator<Item = &Job> {
+        let mut last = None;
+        self.allocations.values().filter_map(move |r| {
+            let job = r.allocation.job;
+            if last == Some(job) {
+                return None;
+            }
+            last = Some(job);
+            self.jobs.get(&job)
+        })
+    }
+
     /// Pending jobs, in id order.
     pub fn pending_jobs(&self) -> impl Iterator<Item = &Job> {
         self.index.pending.iter().filter_map(|id| self.jobs.get(id))
@@ -157,6 +192,11 @@ impl ClusterState {
     /// Recomputes every derived index from the data: after loading a snapshot.
     pub fn rebuild_indexes(&mut self) {
         let mut index = Indexes::default();
+        for node in self.nodes.values() {
+            index
+                .hardware_class
+                .insert(node.spec.name.clone(), hardware_class(&node.spec));
+        }
         for job in self.jobs.values() {
             if job.state == JobState::Pending {
                 index.pending.insert(job.id);
@@ -190,7 +230,9 @@ impl ClusterState {
             if !job.allocations.contains(id) {
                 return Err(format!("job {} does not list allocation {id}", job.id));
             }
-            for gpu in &rec.allocation.gpus {
+            // Shares are checked below, against their own index.
+            let exclusive = rec.allocation.gpu_milli == 0;
+            for gpu in rec.allocation.gpus.iter().filter(|_| exclusive) {
                 if let Some(other) = derived_holder.insert(gpu.clone(), *id) {
                     return Err(format!("GPU {gpu} is held by allocations {other} and {id}"));
                 }

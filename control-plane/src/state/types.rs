@@ -272,6 +272,10 @@ pub struct Job {
 pub struct Ending {
     pub state: JobState,
     pub reason: String,
+    /// The pending job this one is being stopped for, when it was preempted: the scheduler
+    /// waits for these stops instead of choosing more victims.
+    #[serde(default)]
+    pub preempted_for: Option<JobId>,
 }
 
 /// One task of a job bound to GPUs of one node. Its id doubles as the allocation epoch: ids only

@@ -1,0 +1,111 @@
+//! `gpuctl bench scheduler`: one planning pass, in process, over synthetic fleets of 8-GPU
+//! hosts (DGX H100, DGX-1, PCIe L40S; 32 per rack) with pending jobs of mixed shapes (1–8 GPUs,
+//! 2×8 gangs, GPU shares, CPU-only; three priority classes; eight tenants; dependencies).
+//! Three fleet states per size: empty, half used, and full (where every job is blocked, so the
+//! pass computes the backfill reservation and preemption victims instead of placements).
+
+use std::time::Instant;
+
+use serde_json::json;
+
+use crate::scheduler::{Policy, plan_with};
+use crate::state::{Command, Outcome};
+use crate::synthetic::{Driver, fleet, mixed_jobs, submit_all};
+
+pub struct Args {
+    pub hosts: Vec<usize>,
+    pub jobs: Vec<usize>,
+    pub runs: usize,
+}
+
+/// Places work until `fraction` of the GPUs are held (or nothing more fits).
+fn fill(driver: &mut Driver, fraction: f64, seed: u64) -> anyhow::Result<()> {
+    let total = driver.state.total_gpus() as f64;
+    let mut round = 0;
+    while (driver.state.gpu_holder.len() as f64) < total * fraction {
+        let jobs = mixed_jobs(2_000, seed + round, driver.state.last_job_id + 1);
+        submit_all(driver, &jobs)?;
+        let plan = plan_with(&driver.state, driver.now, &Policy::default());
+        if plan.placements.is_empty() {
+            break;
+        }
+        // Place only as much as the target needs, in queue order.
+        let mut placements = Vec::new();
+        let mut held = driver.state.gpu_holder.len() as f64;
+        for p in plan.placements {
+            if held >= total * fraction {
+                break;
+            }
+            held += p.tasks.iter().map(|t| t.gpus.len()).sum::<usize>() as f64;
+            placements.push(p);
+        }
+        match driver.apply(&Command::Place {
+            term: 1,
+            placements,
+        }) {
+            Outcome::Placed { .. } => {}
+            other => anyhow::bail!("fill: {other:?}"),
+        }
+        // Cancel what did not fit so the pending queue under test is only the jobs below.
+        let pending: Vec<u64> = driver.state.index.pending.iter().copied().collect();
+        for id in pending {
+            driver.apply(&Command::cancel(id, "bench fill"));
+        }
+        round += 1;
+    }
+    Ok(())
+}
+
+pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
+    let mut text = format!(
+        "{:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>7} {:>6} {:>6}\n",
+        "hosts", "pending", "fleet", "min ms", "p50 ms", "max ms", "placed", "rsv", "preempt"
+    );
+    let mut rows = Vec::new();
+    for &hosts in &args.hosts {
+        for &jobs in &args.jobs {
+            for (label, fraction) in [("empty", 0.0), ("half", 0.5), ("full", 1.0)] {
+                let mut driver = Driver::new(1_700_000_000_000);
+                fleet(&mut driver, hosts)?;
+                if fraction > 0.0 {
+                    fill(&mut driver, fraction, 7)?;
+                }
+                // Time passes so that running work has a history and queued work can age.
+                driver.now += 10 * 60 * 1000;
+                let pending = mixed_jobs(jobs, 42, driver.state.last_job_id + 1);
+                submit_all(&mut driver, &pending)?;
+                let used = driver.state.gpu_holder.len() + driver.state.index.gpu_shares.len();
+                let mut times = Vec::with_capacity(args.runs);
+                let mut last = None;
+                for _ in 0..args.runs {
+                    let started = Instant::now();
+                    let plan = plan_with(&driver.state, driver.now, &Policy::default());
+                    times.push(started.elapsed().as_secs_f64() * 1000.0);
+                    last = Some(plan);
+                }
+                let plan = last.unwrap_or_default();
+                times.sort_by(f64::total_cmp);
+                let (min, p50, max) = (times[0], times[times.len() / 2], times[times.len() - 1]);
+                text += &format!(
+                    "{hosts:>7} {jobs:>7} {label:>6} {min:>9.1} {p50:>9.1} {max:>9.1} {:>7} {:>6} {:>6}\n",
+                    plan.placements.len(),
+                    if plan.reservation.is_some() { "yes" } else { "no" },
+                    plan.preemptions.iter().map(|p| p.victims.len()).sum::<usize>(),
+                );
+                rows.push(json!({
+                    "hosts": hosts,
+                    "gpus": driver.state.total_gpus(),
+                    "pending": jobs,
+                    "fleet": label,
+                    "gpus_in_use_at_start": used,
+                    "pass_ms": {"min": min, "p50": p50, "max": max},
+                    "runs": args.runs,
+                    "placements": plan.placements.len(),
+                    "reservation": plan.reservation.is_some(),
+                    "preempted": plan.preemptions.iter().map(|p| p.victims.len()).sum::<usize>(),
+                }));
+            }
+        }
+    }
+    Ok((text, json!({"benchmark": "scheduler", "results": rows})))
+}

@@ -1,0 +1,212 @@
+//! Backfill: when the job at the head of the queue cannot start, it gets a reservation — the
+//! earliest time at which running work's time limits free enough room, on named nodes — and
+//! later jobs may start now only if they cannot delay it: either they end (by their own time
+//! limit) before the reservation starts, or they use only what the reserved nodes will still
+//! have spare at that time.
+//!
+//! Work without a time limit is assumed to run forever here; allocations being stopped end now.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::fleet::{NodeFree, NodeIdx};
+use super::placement::{Placer, Scorer, Shape, Units, evaluate_node, give_back, take};
+use crate::state::{ClusterState, Job, JobId, Timestamp};
+
+/// The head job's reservation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Reservation {
+    pub job: JobId,
+    /// When the reserved room is free (leader clock, ms).
+    pub start_at: Timestamp,
+    /// Node → tasks of the job reserved there.
+    pub nodes: BTreeMap<String, u32>,
+}
+
+/// When a job placed now would end, if it has a time limit.
+pub fn end_if_started(job: &Job, now: Timestamp) -> Option<Timestamp> {
+    job.spec
+        .time_limit_secs
+        .map(|s| now.saturating_add(s.saturating_mul(1000)))
+}
+
+/// A release of resources at a known time on a node.
+struct Release {
+    at: Timestamp,
+    kind: ReleaseKind,
+}
+
+enum ReleaseKind {
+    /// A live allocation (by id) ends.
+    Allocation(u64),
+    /// A task placed earlier in this pass ends.
+    Planned(Shape, Units),
+}
+
+/// How many tasks of `shape` fit on a node with `free`, up to `max`.
+fn count_fit(placer: &Placer, idx: NodeIdx, free: &NodeFree, shape: &Shape, max: u32) -> (u32, NodeFree) {
+    let n = &placer.fleet.nodes[idx as usize];
+    let fit_only = Scorer::fit_only();
+    let mut f = free.clone();
+    let mut count = 0;
+    while count < max {
+        match evaluate_node(&fit_only, n, &f, shape) {
+            Some(fit) => {
+                f = take(n.node, &f, shape, &fit.units);
+                count += 1;
+            }
+            None => break,
+        }
+    }
+    (count, f)
+}
+
+/// Finds the head job's reservation and holds its nodes in the placer. `planned`: tasks placed
+/// earlier in this pass, with their node and end time.
+pub fn reserve(
+    state: &ClusterState,
+    placer: &mut Placer,
+    job: &Job,
+    shape: &Shape,
+    now: Timestamp,
+    planned: &[(NodeIdx, Option<Timestamp>, Shape, Units)],
+) -> Option<Reservation> {
+    let tasks = job.spec.tasks;
+    // Releases per node, in time order.
+    let mut releases: BTreeMap<NodeIdx, Vec<Release>> = BTreeMap::new();
+    for (i, n) in placer.fleet.nodes.iter().enumerate() {
+        if n.shadow.is_some() {
+            continue;
+        }
+        for rec in state.allocations_on(&n.node.spec.name) {
+            let Some(owner) = state.jobs.get(&rec.allocation.job) else {
+                continue;
+            };
+            let end = if rec.stop_requested || owner.ending.is_some() {
+                Some(now)
+            } else {
+                owner
+                    .spec
+                    .time_limit_secs
+                    .map(|s| rec.allocation.created_at.saturating_add(s.saturating_mul(1000)))
+            };
+            if let Some(at) = end {
+                releases.entry(i as NodeIdx).or_default().push(Release {
+                    at: at.max(now),
+                    kind: ReleaseKind::Allocation(rec.allocation.id),
+                });
+            }
+        }
+    }
+    for (idx, end, s, units) in planned {
+        if let Some(at) = end {
+            releases.entry(*idx).or_default().push(Release {
+                at: *at,
+                kind: ReleaseKind::Planned(s.clone(), units.clone()),
+            });
+        }
+    }
+    // Per node, the step function "tasks that fit from time t on".
+    let mut steps: Vec<(Timestamp, NodeIdx, u32)> = Vec::new();
+    let mut free_at: BTreeMap<NodeIdx, Vec<(Timestamp, NodeFree)>> = BTreeMap::new();
+    for (idx, mut rel) in releases {
+        rel.sort_by_key(|r| r.at);
+        let n = &placer.fleet.nodes[idx as usize];
+        let mut free = n.free.clone();
+        let mut last = count_fit(placer, idx, &free, shape, tasks).0;
+        let mut timeline = vec![(now, free.clone())];
+        let mut i = 0;
+        while i < rel.len() {
+            let at = rel[i].at;
+            while i < rel.len() && rel[i].at == at {
+                match &rel[i].kind {
+                    ReleaseKind::Allocation(id) => {
+                        if let Some(rec) = state.allocations.get(id)
+                            && let Some(owner) = state.jobs.get(&rec.allocation.job)
+                        {
+                            free.add_allocation(n.node, owner, rec);
+                        }
+                    }
+                    ReleaseKind::Planned(s, units) => free = give_back(n.node, &free, s, units),
+                }
+                i += 1;
+            }
+            let count = count_fit(placer, idx, &free, shape, tasks).0;
+            timeline.push((at, free.clone()));
+            if count != last {
+                steps.push((at, idx, count));
+                last = count;
+            }
+            if count >= tasks {
+                break;
+            }
+        }
+        free_at.insert(idx, timeline);
+    }
+    // Nodes that already fit some tasks now (gangs) count from the start.
+    let mut count_now: BTreeMap<NodeIdx, u32> = BTreeMap::new();
+    if tasks > 1 {
+        for (i, n) in placer.fleet.nodes.iter().enumerate() {
+            if n.shadow.is_some() || free_at.contains_key(&(i as NodeIdx)) {
+                continue;
+            }
+            let c = count_fit(placer, i as NodeIdx, &n.free, shape, tasks).0;
+            if c > 0 {
+                count_now.insert(i as NodeIdx, c);
+            }
+        }
+    }
+    for (&idx, timeline) in &free_at {
+        let c = count_fit(placer, idx, &timeline[0].1, shape, tasks).0;
+        if c > 0 {
+            count_now.insert(idx, c);
+        }
+    }
+    steps.sort_unstable();
+    let mut current = count_now.clone();
+    let mut total: u64 = current.values().map(|&c| u64::from(c)).sum();
+    let mut start = None;
+    if total >= u64::from(tasks) {
+        start = Some(now);
+    } else {
+        for (at, idx, count) in steps {
+            let before = current.insert(idx, count).unwrap_or(0);
+            total = total + u64::from(count) - u64::from(before);
+            if total >= u64::from(tasks) {
+                start = Some(at);
+                break;
+            }
+        }
+    }
+    let start = start?;
+    // Reserve on the nodes with room at `start`, most room first (fewest nodes for a gang).
+    let mut room: Vec<(u32, NodeIdx)> = current
+        .iter()
+        .filter(|(_, c)| **c > 0)
+        .map(|(i, c)| (*c, *i))
+        .collect();
+    room.sort_unstable_by_key(|(c, i)| (std::cmp::Reverse(*c), *i));
+    let mut left = tasks;
+    let mut nodes = BTreeMap::new();
+    for (c, idx) in room {
+        if left == 0 {
+            break;
+        }
+        let here = c.min(left);
+        left -= here;
+        let at_start = free_at
+            .get(&idx)
+            .and_then(|t| t.iter().rev().find(|(at, _)| *at <= start))
+            .map(|(_, f)| f.clone())
+            .unwrap_or_else(|| placer.fleet.nodes[idx as usize].free.clone());
+        let (_, shadow) = count_fit(placer, idx, &at_start, shape, here);
+        placer.fleet.reserve(idx, shadow);
+        nodes.insert(placer.fleet.nodes[idx as usize].node.spec.name.clone(), here);
+    }
+    Some(Reservation {
+        job: job.id,
+        start_at: start,
+        nodes,
+    })
+}

@@ -1,0 +1,411 @@
+//! The fragmentation measure of FGD (Weng et al., "Beware of Fragmentation: Scheduling
+//! GPU-Sharing Workloads with Fragmentation Gradient Descent", USENIX ATC '23).
+//!
+//! Free GPU capacity is *fragmented for a task* when the task cannot use it: all of a node's
+//! free GPU milli when the task cannot run there at all (too little CPU or memory, the wrong GPU
+//! model, not enough GPUs with enough free milli), and otherwise the free milli on the GPUs that
+//! have less free than the task needs on one GPU. A node's fragmentation is the expectation of
+//! that amount over a target [`Workload`]: the task types the cluster runs, with their
+//! frequencies. FGD places each task where this expectation grows least.
+//!
+//! As in the paper's artifact, a CPU-only task type counts all of a node's free GPU milli as
+//! fragmented (it can never use a GPU); this adds the same amount to every placement of a given
+//! task, so it shifts scores without changing which node wins.
+//!
+//! Pure code: no I/O, no clock.
+
+use std::collections::BTreeMap;
+
+use super::score::{Demand, FULL_GPU_MILLI, NodeResources};
+
+/// One task type of a workload, with its share of the workload's tasks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskType {
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    /// 0 for CPU-only types.
+    pub gpus: u32,
+    /// Milli per GPU: 1000 for whole GPUs, less for a share; 0 for CPU-only types.
+    pub milli_per_gpu: u32,
+    /// Acceptable GPU models, sorted; empty: any (always empty for CPU-only types).
+    pub models: Vec<String>,
+    /// Frequency among the workload's tasks; a workload's weights sum to 1.
+    pub weight: f64,
+}
+
+impl TaskType {
+    pub fn demand(&self) -> Demand<'_> {
+        Demand {
+            cpu_milli: self.cpu_milli,
+            memory_mib: self.memory_mib,
+            gpus: self.gpus,
+            milli_per_gpu: self.milli_per_gpu,
+            models: &self.models,
+        }
+    }
+}
+
+/// The target workload: task types and how often each occurs. Built from observed or expected
+/// demands; identical demands merge into one type.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Workload {
+    /// Most frequent first (ties: smaller CPU, then GPU milli, GPUs, memory, models).
+    types: Vec<TaskType>,
+}
+
+/// The key identical demands share.
+type TypeKey = (u64, u32, u32, u64, Vec<String>);
+
+fn key_of(d: &Demand) -> TypeKey {
+    if d.uses_gpu() {
+        let mut models: Vec<String> = d.models.to_vec();
+        models.sort();
+        models.dedup();
+        (
+            d.cpu_milli,
+            d.milli_per_gpu.min(FULL_GPU_MILLI),
+            d.gpus,
+            d.memory_mib,
+            models,
+        )
+    } else {
+        (d.cpu_milli, 0, 0, d.memory_mib, Vec::new())
+    }
+}
+
+impl Workload {
+    /// One task per demand; identical demands (same CPU, memory, GPUs, milli and set of models)
+    /// merge into one type whose weight is its share of the demands.
+    pub fn from_demands<'a>(demands: impl IntoIterator<Item = Demand<'a>>) -> Workload {
+        Workload::from_weighted(demands.into_iter().map(|d| (d, 1.0)))
+    }
+
+    /// Demands with relative weights (any positive scale; non-positive weights are dropped);
+    /// identical demands merge, weights are normalised to sum to 1.
+    pub fn from_weighted<'a>(demands: impl IntoIterator<Item = (Demand<'a>, f64)>) -> Workload {
+        let mut merged: BTreeMap<TypeKey, f64> = BTreeMap::new();
+        for (d, w) in demands {
+            if w > 0.0 && w.is_finite() {
+                *merged.entry(key_of(&d)).or_default() += w;
+            }
+        }
+        let total: f64 = merged.values().sum();
+        let mut types: Vec<TaskType> = merged
+            .into_iter()
+            .map(|((cpu, milli, gpus, mem, models), w)| TaskType {
+                cpu_milli: cpu,
+                memory_mib: mem,
+                gpus,
+                milli_per_gpu: milli,
+                models,
+                weight: w / total,
+            })
+            .collect();
+        // The BTreeMap order is the tie-break (a stable sort keeps it).
+        types.sort_by(|a, b| b.weight.total_cmp(&a.weight));
+        Workload { types }
+    }
+
+    /// The most frequent types that together make up at least `coverage` (0..=1) of the tasks,
+    /// re-weighted to sum to 1: the artifact's "typical pods" (it keeps 95%), which drops the
+    /// long tail of rare shapes from the expectation.
+    pub fn typical(&self, coverage: f64) -> Workload {
+        let mut kept = Vec::new();
+        let mut cumulative = 0.0;
+        for t in &self.types {
+            // A small tolerance so that e.g. 0.95 of 100 equal tasks keeps 95 types, not 96.
+            if !kept.is_empty() && cumulative >= coverage - 1e-9 {
+                break;
+            }
+            cumulative += t.weight;
+            kept.push(t.clone());
+        }
+        for t in &mut kept {
+            t.weight /= cumulative;
+        }
+        Workload { types: kept }
+    }
+
+    pub fn types(&self) -> &[TaskType] {
+        &self.types
+    }
+
+    pub fn len(&self) -> usize {
+        self.types.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.types.is_empty()
+    }
+}
+
+/// How a node relates to one task type: the artifact's categories, with memory counted
+/// alongside CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Category {
+    /// The task needs GPUs of another model.
+    NoAccess,
+    /// Q1: neither enough CPU/memory nor enough GPU.
+    LackBoth,
+    /// Q2: enough CPU and memory, not enough GPU.
+    LackGpu,
+    /// Q3: the task fits; only GPUs with less free than it needs are fragmented for it.
+    Satisfied,
+    /// Q4: enough GPU, not enough CPU or memory.
+    LackCpu,
+    /// XL: a CPU-only task that fits (all free GPU milli still counts: it cannot use them).
+    CpuOnlySatisfied,
+    /// XR: a CPU-only task that does not fit.
+    CpuOnlyLackCpu,
+}
+
+/// The category of `node` for a task of shape `task`.
+pub fn classify(node: &NodeResources, task: &Demand) -> Category {
+    let cpu_ok = node.cpu_milli >= task.cpu_milli && node.memory_mib >= task.memory_mib;
+    if !task.uses_gpu() {
+        return if cpu_ok {
+            Category::CpuOnlySatisfied
+        } else {
+            Category::CpuOnlyLackCpu
+        };
+    }
+    if !task.accepts_model(node.model) {
+        return Category::NoAccess;
+    }
+    let need = task.milli_per_gpu.min(FULL_GPU_MILLI);
+    let gpu_ok = node.gpu_milli.iter().filter(|&&m| m >= need).count() >= task.gpus as usize;
+    match (cpu_ok, gpu_ok) {
+        (true, true) => Category::Satisfied,
+        (false, true) => Category::LackCpu,
+        (true, false) => Category::LackGpu,
+        (false, false) => Category::LackBoth,
+    }
+}
+
+/// GPU milli on `node` that a task of shape `task` could not use: all free milli unless the
+/// task fits ([`Category::Satisfied`]), then the free milli of GPUs with less free than the
+/// task needs per GPU.
+pub fn task_fragmentation(node: &NodeResources, task: &Demand) -> u64 {
+    let total = node.free_gpu_milli();
+    if total == 0 {
+        return 0;
+    }
+    match classify(node, task) {
+        Category::Satisfied => {
+            let need = task.milli_per_gpu.min(FULL_GPU_MILLI);
+            node.gpu_milli
+                .iter()
+                .filter(|&&m| m < need)
+                .map(|&m| u64::from(m))
+                .sum()
+        }
+        _ => total,
+    }
+}
+
+/// Expected GPU milli on `node` that a task drawn from `workload` could not use:
+/// `Σ weight × task_fragmentation`. Zero on a node without free GPU milli.
+pub fn fragmentation(node: &NodeResources, workload: &Workload) -> f64 {
+    let total = node.free_gpu_milli();
+    if total == 0 {
+        return 0.0;
+    }
+    let mut frag = 0.0;
+    for t in &workload.types {
+        let amount = if t.gpus == 0 || t.milli_per_gpu == 0 {
+            total
+        } else if node.cpu_milli < t.cpu_milli
+            || node.memory_mib < t.memory_mib
+            || !(t.models.is_empty() || t.models.iter().any(|m| m == node.model))
+        {
+            total
+        } else {
+            // One pass: GPUs that fit the task, and the milli on those that do not.
+            let need = t.milli_per_gpu.min(FULL_GPU_MILLI);
+            let mut fitting = 0u32;
+            let mut unusable = 0u64;
+            for &m in node.gpu_milli {
+                if m >= need {
+                    fitting += 1;
+                } else {
+                    unusable += u64::from(m);
+                }
+            }
+            if fitting >= t.gpus { unusable } else { total }
+        };
+        frag += t.weight * amount as f64;
+    }
+    frag
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T4: &str = "T4";
+
+    fn node<'a>(cpu: u64, mem: u64, gpus: &'a [u32]) -> NodeResources<'a> {
+        NodeResources {
+            cpu_milli: cpu,
+            memory_mib: mem,
+            model: T4,
+            gpu_milli: gpus,
+        }
+    }
+
+    fn demand(cpu: u64, mem: u64, gpus: u32, milli: u32) -> Demand<'static> {
+        Demand {
+            cpu_milli: cpu,
+            memory_mib: mem,
+            gpus,
+            milli_per_gpu: milli,
+            models: &[],
+        }
+    }
+
+    fn single(d: Demand) -> Workload {
+        Workload::from_demands([d])
+    }
+
+    // The node of most examples: 16 CPUs, 64 GiB, 4 GPUs with 1000, 1000, 500 and 200 milli
+    // free (2700 in all).
+    const GPUS: [u32; 4] = [1000, 1000, 500, 200];
+
+    #[test]
+    fn share_that_fits_leaves_the_smaller_gpus_fragmented() {
+        let n = node(16_000, 65_536, &GPUS);
+        // 600 milli fits on the two whole GPUs; 500 + 200 cannot hold it.
+        let t = demand(1_000, 1_024, 1, 600);
+        assert_eq!(classify(&n, &t), Category::Satisfied);
+        assert_eq!(task_fragmentation(&n, &t), 700);
+        assert_eq!(fragmentation(&n, &single(t)), 700.0);
+        // 500 also fits on the 500 GPU: only the 200 is lost.
+        assert_eq!(task_fragmentation(&n, &demand(1_000, 1_024, 1, 500)), 200);
+        // 100 fits everywhere: nothing is fragmented.
+        assert_eq!(task_fragmentation(&n, &demand(1_000, 1_024, 1, 100)), 0);
+    }
+
+    #[test]
+    fn whole_gpu_tasks_cannot_use_partial_gpus() {
+        let n = node(16_000, 65_536, &GPUS);
+        assert_eq!(task_fragmentation(&n, &demand(1_000, 1_024, 1, 1000)), 700);
+        assert_eq!(task_fragmentation(&n, &demand(1_000, 1_024, 2, 1000)), 700);
+        // Four whole GPUs: only two are free, so nothing here is usable (Q2).
+        let four = demand(1_000, 1_024, 4, 1000);
+        assert_eq!(classify(&n, &four), Category::LackGpu);
+        assert_eq!(task_fragmentation(&n, &four), 2700);
+    }
+
+    #[test]
+    fn lack_of_cpu_or_memory_fragments_everything() {
+        let n = node(16_000, 65_536, &GPUS);
+        let cpu_heavy = demand(32_000, 1_024, 1, 100);
+        assert_eq!(classify(&n, &cpu_heavy), Category::LackCpu);
+        assert_eq!(task_fragmentation(&n, &cpu_heavy), 2700);
+        let mem_heavy = demand(1_000, 100_000, 1, 100);
+        assert_eq!(classify(&n, &mem_heavy), Category::LackCpu);
+        assert_eq!(task_fragmentation(&n, &mem_heavy), 2700);
+        let both = demand(32_000, 1_024, 4, 1000);
+        assert_eq!(classify(&n, &both), Category::LackBoth);
+        assert_eq!(task_fragmentation(&n, &both), 2700);
+        assert_eq!(fragmentation(&n, &single(both)), 2700.0);
+    }
+
+    #[test]
+    fn cpu_only_tasks_count_all_free_gpu_milli() {
+        let n = node(16_000, 65_536, &GPUS);
+        let fits = demand(1_000, 1_024, 0, 0);
+        assert_eq!(classify(&n, &fits), Category::CpuOnlySatisfied);
+        assert_eq!(task_fragmentation(&n, &fits), 2700);
+        let too_big = demand(64_000, 1_024, 0, 0);
+        assert_eq!(classify(&n, &too_big), Category::CpuOnlyLackCpu);
+        assert_eq!(fragmentation(&n, &single(too_big)), 2700.0);
+    }
+
+    #[test]
+    fn gpu_model_must_be_acceptable() {
+        let n = node(16_000, 65_536, &GPUS);
+        let v100 = ["V100".to_string()];
+        let either = ["V100".to_string(), "T4".to_string()];
+        let mut t = demand(1_000, 1_024, 1, 600);
+        t.models = &v100;
+        assert_eq!(classify(&n, &t), Category::NoAccess);
+        assert_eq!(task_fragmentation(&n, &t), 2700);
+        assert_eq!(fragmentation(&n, &single(t)), 2700.0);
+        t.models = &either;
+        assert_eq!(task_fragmentation(&n, &t), 700);
+        assert_eq!(fragmentation(&n, &single(t)), 700.0);
+    }
+
+    #[test]
+    fn expectation_weights_task_types_by_frequency() {
+        let n = node(16_000, 65_536, &GPUS);
+        // 2 × share 600 (700 each), 1 × four GPUs (2700), 1 × share 100 (0):
+        // 0.5 × 700 + 0.25 × 2700 + 0.25 × 0 = 1025.
+        let w = Workload::from_demands([
+            demand(1_000, 1_024, 1, 600),
+            demand(1_000, 1_024, 4, 1000),
+            demand(1_000, 1_024, 1, 600),
+            demand(1_000, 1_024, 1, 100),
+        ]);
+        assert_eq!(w.len(), 3);
+        assert_eq!(fragmentation(&n, &w), 1025.0);
+    }
+
+    #[test]
+    fn nodes_without_free_gpu_have_no_fragmentation() {
+        let w = Workload::from_demands([demand(1_000, 1_024, 1, 600), demand(1, 1, 0, 0)]);
+        assert_eq!(fragmentation(&node(16_000, 65_536, &[]), &w), 0.0);
+        assert_eq!(fragmentation(&node(16_000, 65_536, &[0, 0]), &w), 0.0);
+        assert_eq!(task_fragmentation(&node(0, 0, &[0]), &demand(1, 1, 1, 5)), 0);
+        assert_eq!(fragmentation(&node(16_000, 65_536, &GPUS), &Workload::default()), 0.0);
+    }
+
+    #[test]
+    fn identical_demands_merge_and_weights_sum_to_one() {
+        let a = ["A".to_string(), "B".to_string()];
+        let b = ["B".to_string(), "A".to_string(), "A".to_string()];
+        let mut x = demand(4_000, 8_192, 1, 500);
+        let mut y = x;
+        x.models = &a;
+        y.models = &b; // the same set of models, in another order
+        let z = demand(8_000, 8_192, 2, 1000);
+        let w = Workload::from_demands([x, z, y, y]);
+        assert_eq!(w.len(), 2);
+        let t = &w.types()[0];
+        assert_eq!((t.cpu_milli, t.gpus, t.milli_per_gpu), (4_000, 1, 500));
+        assert_eq!(t.models, vec!["A".to_string(), "B".to_string()]);
+        assert_eq!(t.weight, 0.75);
+        assert_eq!(w.types()[1].weight, 0.25);
+        // CPU-only demands ignore models and milli.
+        let c = Workload::from_demands([demand(1, 2, 0, 300), demand(1, 2, 3, 0)]);
+        assert_eq!(c.len(), 1);
+        assert_eq!((c.types()[0].gpus, c.types()[0].milli_per_gpu), (0, 0));
+        // Weighted input.
+        let v = Workload::from_weighted([(x, 3.0), (z, 1.0), (z, 0.0), (z, -5.0)]);
+        assert_eq!(v.types()[0].weight, 0.75);
+        assert_eq!(v.types()[1].weight, 0.25);
+    }
+
+    #[test]
+    fn typical_keeps_the_most_frequent_types_up_to_the_coverage() {
+        // Counts 50, 30, 15, 5: 95% coverage keeps the first three (50 + 30 + 15 = 95).
+        let mut ds = Vec::new();
+        for (n, milli) in [(5, 100), (50, 200), (15, 300), (30, 400)] {
+            ds.extend(std::iter::repeat_n(demand(1_000, 1_024, 1, milli), n));
+        }
+        let w = Workload::from_demands(ds);
+        let t = w.typical(0.95);
+        let millis: Vec<u32> = t.types().iter().map(|t| t.milli_per_gpu).collect();
+        assert_eq!(millis, vec![200, 400, 300]);
+        let weights: Vec<f64> = t.types().iter().map(|t| t.weight).collect();
+        assert!((weights[0] - 50.0 / 95.0).abs() < 1e-12);
+        assert!((weights[1] - 30.0 / 95.0).abs() < 1e-12);
+        assert!((weights.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        // 50% keeps one type, full coverage keeps all, any coverage keeps at least one.
+        assert_eq!(w.typical(0.5).len(), 1);
+        assert_eq!(w.typical(1.0).len(), 4);
+        assert_eq!(w.typical(0.0).len(), 1);
+        assert_eq!(w.typical(0.0).types()[0].weight, 1.0);
+    }
+}

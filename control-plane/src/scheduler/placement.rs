@@ -1,0 +1,565 @@
+//! Where one task goes: filters (partition, GPU model, CPU, memory, GPU units), the placement
+//! score (fragmentation, `score.rs`) and, inside the chosen node, the best-connected GPUs
+//! (`fit.rs`). Jobs of one shape are ranked over the fleet's groups once and the ranking is kept
+//! current from the fleet's event log, so a pass over 10,000 pending jobs costs a lookup per
+//! job rather than a scan of 10,000 nodes.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::fit::{best_gpu_set, link_rank};
+use super::fleet::{Fleet, FleetNode, GroupEvent, GroupId, NodeFree, NodeIdx};
+use super::frag::Workload;
+use super::score::{self, Demand, NodeResources, ScorePolicy};
+use crate::state::{JobSpec, Node, share_memory_for};
+
+/// What one task of a job asks of a node; jobs with equal shapes place identically.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Shape {
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    /// GPUs (or MIG slices) per task.
+    pub gpus: u32,
+    /// Share of one GPU, in milli; 0 for whole GPUs.
+    pub gpu_milli: u32,
+    /// Requested GPU memory of a share; 0: in proportion to `gpu_milli`.
+    pub gpu_memory_mib: u64,
+    pub mig_profile: Option<String>,
+    pub models: Vec<String>,
+    pub partition: Option<String>,
+    pub single_numa: bool,
+}
+
+impl Shape {
+    pub fn of(spec: &JobSpec) -> Shape {
+        let mut models = spec.gpu_models.clone();
+        models.sort();
+        models.dedup();
+        Shape {
+            cpu_milli: spec.cpu_milli_per_task,
+            memory_mib: spec.memory_mib_per_task,
+            gpus: spec.gpus_per_task,
+            gpu_milli: spec.gpu_milli,
+            gpu_memory_mib: spec.gpu_memory_mib,
+            mig_profile: spec.mig_profile.clone(),
+            models,
+            partition: spec.partition.clone(),
+            single_numa: spec.single_numa,
+        }
+    }
+
+    fn is_share(&self) -> bool {
+        self.gpu_milli > 0
+    }
+
+    /// The demand as the workload model sees it (with its acceptable models).
+    pub fn scored_demand(&self) -> Demand<'_> {
+        Demand {
+            models: &self.models,
+            ..self.demand()
+        }
+    }
+
+    /// The demand as the placement score sees it (models are filtered before scoring).
+    fn demand(&self) -> Demand<'static> {
+        Demand {
+            cpu_milli: self.cpu_milli,
+            memory_mib: self.memory_mib,
+            gpus: self.gpus,
+            milli_per_gpu: if self.gpus == 0 {
+                0
+            } else if self.is_share() {
+                self.gpu_milli
+            } else {
+                1000
+            },
+            models: &[],
+        }
+    }
+}
+
+/// The GPU units a task takes on its node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Units {
+    /// GPU positions (whole GPUs, or the one GPU of a share).
+    Gpus(Vec<u8>),
+    /// MIG slices as (GPU position, slice position).
+    Slices(Vec<(u8, u8)>),
+}
+
+/// Order of candidates, lower is better: the score (scaled to an integer so ties are exact and
+/// the order total); on a tie, the node left with the least free GPU capacity (best fit, so big
+/// free blocks stay whole even when the expected workload has no big jobs yet); then how weakly
+/// connected the chosen GPUs are.
+pub type ScoreKey = (i64, u64, u32);
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskFit {
+    pub key: ScoreKey,
+    pub units: Units,
+}
+
+/// The placement score in use and the workload it measures fragmentation against.
+pub struct Scorer {
+    pub policy: ScorePolicy,
+    pub workload: Workload,
+}
+
+impl Scorer {
+    /// A scorer for "does it fit" questions only (backfill timelines, preemption): best fit
+    /// costs a few arithmetic operations, where the fragmentation measure walks the workload.
+    pub fn fit_only() -> Scorer {
+        Scorer {
+            policy: ScorePolicy::BestFit,
+            workload: Workload::default(),
+        }
+    }
+}
+
+fn scaled(score: f64) -> i64 {
+    (score * 1e6).round() as i64
+}
+
+/// Whether a task of `shape` fits on the node `n` with free resources `free`, and where.
+pub fn evaluate_node(sc: &Scorer, n: &FleetNode, free: &NodeFree, shape: &Shape) -> Option<TaskFit> {
+    let node = n.node;
+    if let Some(p) = &shape.partition
+        && node.spec.partition.as_deref() != Some(p.as_str())
+    {
+        return None;
+    }
+    if free.cpu_milli < shape.cpu_milli || free.memory_mib < shape.memory_mib {
+        return None;
+    }
+    let gpus = &node.spec.gpus;
+    let model_ok = |pos: usize| shape.models.is_empty() || shape.models.contains(&gpus[pos].model);
+    if let Some(profile) = &shape.mig_profile {
+        return evaluate_mig(node, free, shape, profile, &model_ok);
+    }
+    let mut view = [0u32; 16];
+    let view = &mut view[..free.gpu_milli.len().min(16)];
+    for (pos, v) in view.iter_mut().enumerate() {
+        let mut m = if model_ok(pos) { free.gpu_milli[pos] } else { 0 };
+        if shape.is_share() {
+            let want = share_memory_for(shape.gpu_milli, shape.gpu_memory_mib, gpus[pos].memory_mib);
+            if free.gpu_memory_mib[pos] < want {
+                m = 0;
+            }
+        }
+        *v = m;
+    }
+    let res = NodeResources {
+        cpu_milli: free.cpu_milli,
+        memory_mib: free.memory_mib,
+        model: n.model,
+        gpu_milli: view,
+    };
+    let demand = shape.demand();
+    let choice = score::evaluate(&sc.policy, &res, &demand, &sc.workload, 0)?;
+    let score = scaled(choice.score);
+    let left = res.free_gpu_milli() - demand.total_gpu_milli();
+    if shape.gpus == 0 {
+        return Some(TaskFit {
+            key: (score, left, 0),
+            units: Units::Gpus(Vec::new()),
+        });
+    }
+    if shape.is_share() {
+        return Some(TaskFit {
+            key: (score, left, 0),
+            units: Units::Gpus(choice.gpus.iter().map(|&p| p as u8).collect()),
+        });
+    }
+    // Whole GPUs: any fully free ones leave the same fragmentation, so pick by interconnect.
+    let candidates: Vec<u32> = (0..view.len())
+        .filter(|&p| view[p] >= 1000)
+        .map(|p| p as u32)
+        .collect();
+    let k = shape.gpus as usize;
+    let topology = &node.spec.topology;
+    let set = if shape.single_numa {
+        single_numa_set(node, &candidates, k)?
+    } else {
+        best_gpu_set(topology, &candidates, k)?
+    };
+    let weakest = weakest_link(topology, &set);
+    Some(TaskFit {
+        key: (score, left, 1000u32.saturating_sub(weakest)),
+        units: Units::Gpus(set.into_iter().map(|p| p as u8).collect()),
+    })
+}
+
+/// The weakest link rank inside a set (1000 for sets of one, or without a matrix).
+fn weakest_link(topology: &[Vec<String>], set: &[u32]) -> u32 {
+    let mut weakest = 1000;
+    for (i, &a) in set.iter().enumerate() {
+        for &b in &set[i + 1..] {
+            let cell = topology
+                .get(a as usize)
+                .and_then(|r| r.get(b as usize))
+                .map_or("", String::as_str);
+            weakest = weakest.min(if topology.is_empty() { 1000 } else { link_rank(cell) });
+        }
+    }
+    weakest
+}
+
+/// The best-connected set of `k` free GPUs that all sit on one NUMA node. GPUs whose NUMA node
+/// is unknown count as one node only if no pair among them crosses sockets (`SYS`).
+fn single_numa_set(node: &Node, candidates: &[u32], k: usize) -> Option<Vec<u32>> {
+    let mut by_numa: BTreeMap<Option<u32>, Vec<u32>> = BTreeMap::new();
+    for &c in candidates {
+        by_numa
+            .entry(node.spec.gpus[c as usize].numa_node)
+            .or_default()
+            .push(c);
+    }
+    let topology = &node.spec.topology;
+    by_numa
+        .into_iter()
+        .filter_map(|(numa, free)| {
+            let set = best_gpu_set(topology, &free, k)?;
+            if numa.is_none() && weakest_link(topology, &set) == link_rank("SYS") && k > 1 {
+                return None;
+            }
+            Some(set)
+        })
+        .max_by_key(|set| (weakest_link(topology, set), std::cmp::Reverse(set.clone())))
+}
+
+/// MIG slices of `profile`: packed onto the GPUs that already have the fewest such slices free,
+/// so whole free GPUs stay whole; the node left with the fewest free slices wins (best fit).
+fn evaluate_mig(
+    node: &Node,
+    free: &NodeFree,
+    shape: &Shape,
+    profile: &str,
+    model_ok: &dyn Fn(usize) -> bool,
+) -> Option<TaskFit> {
+    let mut per_gpu: BTreeMap<u8, Vec<u8>> = BTreeMap::new();
+    for &(g, s) in &free.mig_free {
+        let gpu = &node.spec.gpus[g as usize];
+        if model_ok(g as usize) && gpu.mig.get(s as usize).is_some_and(|m| m.profile == profile) {
+            per_gpu.entry(g).or_default().push(s);
+        }
+    }
+    let total: usize = per_gpu.values().map(Vec::len).sum();
+    let k = shape.gpus as usize;
+    if total < k {
+        return None;
+    }
+    let mut order: Vec<(usize, u8)> = per_gpu.iter().map(|(g, v)| (v.len(), *g)).collect();
+    order.sort_unstable();
+    let mut slices = Vec::with_capacity(k);
+    for (_, g) in order {
+        for &s in &per_gpu[&g] {
+            if slices.len() < k {
+                slices.push((g, s));
+            }
+        }
+    }
+    slices.sort_unstable();
+    Some(TaskFit {
+        key: (((total - k) as i64) * 1_000_000, 0, 0),
+        units: Units::Slices(slices),
+    })
+}
+
+/// `free` after a task of `shape` takes `units`.
+pub fn take(node: &Node, free: &NodeFree, shape: &Shape, units: &Units) -> NodeFree {
+    let mut f = free.clone();
+    f.cpu_milli = f.cpu_milli.saturating_sub(shape.cpu_milli);
+    f.memory_mib = f.memory_mib.saturating_sub(shape.memory_mib);
+    match units {
+        Units::Gpus(ps) => {
+            for &p in ps {
+                let p = p as usize;
+                if shape.is_share() {
+                    let want = share_memory_for(
+                        shape.gpu_milli,
+                        shape.gpu_memory_mib,
+                        node.spec.gpus[p].memory_mib,
+                    );
+                    f.gpu_milli[p] = f.gpu_milli[p].saturating_sub(shape.gpu_milli);
+                    f.gpu_memory_mib[p] = f.gpu_memory_mib[p].saturating_sub(want);
+                } else {
+                    f.gpu_milli[p] = 0;
+                    f.gpu_memory_mib[p] = 0;
+                }
+            }
+        }
+        Units::Slices(ss) => f.mig_free.retain(|s| !ss.contains(s)),
+    }
+    f
+}
+
+/// `free` after a task of `shape` that held `units` gives them back.
+pub fn give_back(node: &Node, free: &NodeFree, shape: &Shape, units: &Units) -> NodeFree {
+    let mut f = free.clone();
+    f.cpu_milli += shape.cpu_milli;
+    f.memory_mib += shape.memory_mib;
+    match units {
+        Units::Gpus(ps) => {
+            for &p in ps {
+                let p = p as usize;
+                let gpu = &node.spec.gpus[p];
+                if shape.is_share() {
+                    f.gpu_milli[p] += shape.gpu_milli;
+                    f.gpu_memory_mib[p] +=
+                        share_memory_for(shape.gpu_milli, shape.gpu_memory_mib, gpu.memory_mib);
+                } else {
+                    f.gpu_milli[p] = 1000;
+                    f.gpu_memory_mib[p] = gpu.memory_mib;
+                }
+            }
+        }
+        Units::Slices(ss) => {
+            f.mig_free.extend(ss.iter().copied());
+            f.mig_free.sort_unstable();
+            f.mig_free.dedup();
+        }
+    }
+    f
+}
+
+/// The UUIDs a task's units name, for the plan.
+pub fn unit_uuids(node: &Node, units: &Units) -> Vec<String> {
+    match units {
+        Units::Gpus(ps) => ps
+            .iter()
+            .map(|&p| node.spec.gpus[p as usize].uuid.clone())
+            .collect(),
+        Units::Slices(ss) => ss
+            .iter()
+            .map(|&(g, s)| node.spec.gpus[g as usize].mig[s as usize].uuid.clone())
+            .collect(),
+    }
+}
+
+/// The fleet's groups ordered by how well a task of one shape fits them, kept current from the
+/// fleet's event log.
+#[derive(Default)]
+pub struct Ranking {
+    /// Per group: not evaluated yet (`None`), does not fit (`Some(None)`), or the fit.
+    evals: Vec<Option<Option<TaskFit>>>,
+    ranked: BTreeSet<(ScoreKey, GroupId)>,
+    cursor: usize,
+}
+
+impl Ranking {
+    fn sync(&mut self, fleet: &Fleet, sc: &Scorer, shape: &Shape) {
+        while let Some(event) = fleet.events.get(self.cursor) {
+            self.cursor += 1;
+            match *event {
+                GroupEvent::Filled(g) => {
+                    let eval = self.eval(fleet, sc, shape, g).cloned();
+                    if let Some(fit) = eval {
+                        self.ranked.insert((fit.key, g));
+                    }
+                }
+                GroupEvent::Emptied(g) => {
+                    if let Some(Some(Some(fit))) = self.evals.get(g as usize) {
+                        self.ranked.remove(&(fit.key, g));
+                    }
+                }
+            }
+        }
+    }
+
+    fn eval(&mut self, fleet: &Fleet, sc: &Scorer, shape: &Shape, g: GroupId) -> Option<&TaskFit> {
+        let i = g as usize;
+        if self.evals.len() <= i {
+            self.evals.resize(i + 1, None);
+        }
+        if self.evals[i].is_none() {
+            let sample = &fleet.nodes[fleet.groups[i].sample as usize];
+            self.evals[i] = Some(evaluate_node(sc, sample, fleet.group_free(g), shape));
+        }
+        self.evals[i].as_ref().and_then(Option::as_ref)
+    }
+}
+
+/// One pass's placement state: the fleet, the score, and a ranking per shape.
+pub struct Placer<'a> {
+    pub fleet: Fleet<'a>,
+    pub scorer: Scorer,
+    rankings: HashMap<Shape, Ranking>,
+}
+
+/// A placed task: node and units.
+pub type PlacedTask = (NodeIdx, Units);
+
+impl<'a> Placer<'a> {
+    pub fn new(fleet: Fleet<'a>, scorer: Scorer) -> Placer<'a> {
+        Placer {
+            fleet,
+            scorer,
+            rankings: HashMap::new(),
+        }
+    }
+
+    fn ranking(&mut self, shape: &Shape) -> &mut Ranking {
+        if !self.rankings.contains_key(shape) {
+            self.rankings.insert(shape.clone(), Ranking::default());
+        }
+        let r = self.rankings.get_mut(shape).expect("inserted above");
+        r.sync(&self.fleet, &self.scorer, shape);
+        r
+    }
+
+    /// Where a task would go (without taking it). `long`: the task would still run when the
+    /// backfill reservation starts, so on reserved nodes it may only use what the reservation
+    /// leaves.
+    pub fn best_for_task(&mut self, shape: &Shape, long: bool) -> Option<(NodeIdx, TaskFit)> {
+        let ranking = self.ranking(shape);
+        let mut best: Option<(ScoreKey, NodeIdx, TaskFit)> = None;
+        if let Some(&(key, g)) = ranking.ranked.first()
+            && let Some(Some(Some(fit))) = ranking.evals.get(g as usize)
+        {
+            let fit = fit.clone();
+            if let Some(idx) = self.fleet.representative(g) {
+                best = Some((key, idx, fit));
+            }
+        }
+        for &idx in &self.fleet.reserved {
+            let n = &self.fleet.nodes[idx as usize];
+            let view = match (&n.shadow, long) {
+                (Some(shadow), true) => n.free.min(shadow),
+                _ => n.free.clone(),
+            };
+            if let Some(fit) = evaluate_node(&self.scorer, n, &view, shape)
+                && best.as_ref().is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
+            {
+                best = Some((fit.key, idx, fit));
+            }
+        }
+        best.map(|(_, idx, fit)| (idx, fit))
+    }
+
+    /// Takes a task's units on a node (and on a reserved node, out of its shadow too when the
+    /// task is long).
+    pub fn commit(&mut self, idx: NodeIdx, shape: &Shape, units: &Units, long: bool) {
+        let n = &self.fleet.nodes[idx as usize];
+        let free = take(n.node, &n.free, shape, units);
+        if long && let Some(shadow) = &n.shadow {
+            let shadow = take(n.node, shadow, shape, units);
+            self.fleet.nodes[idx as usize].shadow = Some(shadow);
+        }
+        self.fleet.set_free(idx, free);
+    }
+
+    fn restore(&mut self, undo: Vec<(NodeIdx, NodeFree, Option<NodeFree>)>) {
+        for (idx, free, shadow) in undo.into_iter().rev() {
+            if self.fleet.nodes[idx as usize].shadow.is_some() {
+                self.fleet.nodes[idx as usize].shadow = shadow;
+            }
+            self.fleet.set_free(idx, free);
+        }
+    }
+
+    fn snapshot(&self, idx: NodeIdx) -> (NodeIdx, NodeFree, Option<NodeFree>) {
+        let n = &self.fleet.nodes[idx as usize];
+        (idx, n.free.clone(), n.shadow.clone())
+    }
+
+    /// Places all `tasks` tasks of a shape or none: a gang across hosts prefers one rack.
+    pub fn place(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
+        if tasks > 1 && self.fleet.has_racks {
+            if let Some(placed) = self.place_in_one_rack(shape, tasks, long) {
+                return Some(placed);
+            }
+        }
+        let mut undo = Vec::new();
+        let mut placed = Vec::with_capacity(tasks as usize);
+        for _ in 0..tasks {
+            let Some((idx, fit)) = self.best_for_task(shape, long) else {
+                self.restore(undo);
+                return None;
+            };
+            undo.push(self.snapshot(idx));
+            self.commit(idx, shape, &fit.units, long);
+            placed.push((idx, fit.units));
+        }
+        Some(placed)
+    }
+
+    /// Upper bound on how many tasks of `shape` the unreserved fleet can take now.
+    fn capacity_bound(&mut self, shape: &Shape) -> u64 {
+        let per_task_gpus = u64::from(shape.gpus.max(1));
+        let ranking = self.ranking(shape);
+        let groups: Vec<GroupId> = ranking.ranked.iter().map(|(_, g)| *g).collect();
+        groups
+            .into_iter()
+            .map(|g| {
+                let free = self.fleet.group_free(g);
+                let units = if shape.mig_profile.is_some() {
+                    free.mig_free.len() as u64
+                } else {
+                    free.gpu_milli.iter().filter(|&&m| m > 0).count() as u64
+                };
+                let by_gpu = if shape.gpus == 0 {
+                    u64::MAX
+                } else {
+                    units / per_task_gpus
+                };
+                let by_cpu = free
+                    .cpu_milli
+                    .checked_div(shape.cpu_milli)
+                    .unwrap_or(u64::MAX);
+                let by_mem = free
+                    .memory_mib
+                    .checked_div(shape.memory_mib)
+                    .unwrap_or(u64::MAX);
+                let per_node = by_gpu.min(by_cpu).min(by_mem).max(1);
+                per_node.saturating_mul(self.fleet.groups[g as usize].members.len() as u64)
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// A gang inside one rack: every rack that can hold all tasks is tried, and the one whose
+    /// placement scores best wins. None when no single rack can hold the gang.
+    fn place_in_one_rack(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
+        if self.capacity_bound(shape) < u64::from(tasks) {
+            return None;
+        }
+        let racks = self.fleet.racks();
+        let mut best: Option<(i128, Vec<PlacedTask>)> = None;
+        for nodes in racks.values() {
+            let mut undo = Vec::new();
+            let mut placed = Vec::new();
+            let mut total: i128 = 0;
+            for _ in 0..tasks {
+                self.ranking(shape);
+                let mut pick: Option<(ScoreKey, NodeIdx, Units)> = None;
+                for &idx in nodes {
+                    let g = self.fleet.nodes[idx as usize].group;
+                    let fit = {
+                        let ranking = self.rankings.get_mut(shape).expect("synced above");
+                        ranking.eval(&self.fleet, &self.scorer, shape, g).cloned()
+                    };
+                    if let Some(fit) = fit
+                        && pick.as_ref().is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
+                    {
+                        pick = Some((fit.key, idx, fit.units));
+                    }
+                }
+                let Some((key, idx, units)) = pick else {
+                    break;
+                };
+                total += i128::from(key.0);
+                undo.push(self.snapshot(idx));
+                self.commit(idx, shape, &units, long);
+                placed.push((idx, units));
+            }
+            let complete = placed.len() == tasks as usize;
+            self.restore(undo);
+            if complete && best.as_ref().is_none_or(|(t, _)| total < *t) {
+                best = Some((total, placed));
+            }
+        }
+        let (_, placed) = best?;
+        for (idx, units) in &placed {
+            self.commit(*idx, shape, units, long);
+        }
+        Some(placed)
+    }
+}

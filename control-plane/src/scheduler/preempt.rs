@@ -1,0 +1,163 @@
+//! Preemption: the head job cannot start, so it evicts the cheapest set of jobs the rules let it
+//! stop — lower-priority preemptible work, or work of tenants running on capacity borrowed
+//! beyond their quota while the head's tenant is within its guarantee (the rules are
+//! `ClusterState::check_preemption`, the same check apply makes). Cheapest means the fewest
+//! GPU-seconds of work lost (GPU capacity × time since the victim started). Victims get the
+//! agents' stop grace period and are requeued, never lost.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use super::fleet::{NodeFree, NodeIdx};
+use super::placement::{Placer, Scorer, Shape, evaluate_node, take};
+use crate::state::{ClusterState, Job, JobId, MILLI_PER_GPU, Timestamp, priority_rank};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Preemption {
+    pub for_job: JobId,
+    pub victims: Vec<JobId>,
+}
+
+/// Work lost if `victim` is stopped now: milli-GPU × seconds since its first task started.
+fn cost(state: &ClusterState, victim: &Job, now: Timestamp) -> u64 {
+    let since = state
+        .allocations_of(victim.id)
+        .map(|r| r.allocation.created_at)
+        .min()
+        .unwrap_or(now);
+    victim.spec.total_gpu_milli().max(1) * (now.saturating_sub(since) / 1000 + 1)
+}
+
+/// Victims for `head`, or None when preemption cannot make room (or room is already being
+/// made: victims chosen earlier are still stopping).
+pub fn select(
+    state: &ClusterState,
+    placer: &Placer,
+    head: &Job,
+    shape: &Shape,
+    now: Timestamp,
+) -> Option<Preemption> {
+    let fit_only = Scorer::fit_only();
+    // Cheap prefilters before the exact rule (`check_preemption`) runs on each candidate:
+    // lower-priority preemptible work, or work of a tenant that borrows beyond its quota while
+    // the head's tenant is within its guarantee.
+    let head_rank = priority_rank(&head.spec.priority_class);
+    let reclaiming = state.tenants.get(&head.spec.tenant).is_some_and(|t| {
+        state.gpu_milli_held_by_tenant(&t.name) + head.spec.total_gpu_milli()
+            <= u64::from(t.quota_gpus) * MILLI_PER_GPU
+    });
+    let borrowing: BTreeSet<&str> = state
+        .index
+        .tenant_held_milli
+        .iter()
+        .filter(|(t, held)| {
+            **held > state
+                .tenants
+                .get(t.as_str())
+                .map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU)
+        })
+        .map(|(t, _)| t.as_str())
+        .collect();
+    // Candidates and their allocations per node.
+    let mut victims_on: BTreeMap<NodeIdx, Vec<JobId>> = BTreeMap::new();
+    let mut costs: BTreeMap<JobId, u64> = BTreeMap::new();
+    for job in state.jobs_with_allocations() {
+        // Victims chosen for this job earlier are still stopping: wait for them.
+        if job
+            .ending
+            .as_ref()
+            .is_some_and(|e| e.preempted_for == Some(head.id))
+        {
+            return None;
+        }
+        let lower = job.spec.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
+        let reclaimable = reclaiming
+            && job.spec.tenant != head.spec.tenant
+            && borrowing.contains(job.spec.tenant.as_str());
+        if !(lower || reclaimable) || job.id == head.id || state.check_preemption(head, job.id).is_err() {
+            continue;
+        }
+        costs.insert(job.id, cost(state, job, now));
+        for rec in state.allocations_of(job.id) {
+            if let Some(&idx) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
+                let list = victims_on.entry(idx).or_default();
+                if !list.contains(&job.id) {
+                    list.push(job.id);
+                }
+            }
+        }
+    }
+    if costs.is_empty() {
+        return None;
+    }
+    for list in victims_on.values_mut() {
+        list.sort_by_key(|j| (costs[j], *j));
+    }
+    let mut chosen: BTreeSet<JobId> = BTreeSet::new();
+    // Free resources per node as the chosen victims' exits would leave them.
+    let mut overlay: BTreeMap<NodeIdx, NodeFree> = BTreeMap::new();
+    let free_of = |overlay: &BTreeMap<NodeIdx, NodeFree>, idx: NodeIdx| {
+        overlay
+            .get(&idx)
+            .cloned()
+            .unwrap_or_else(|| placer.fleet.nodes[idx as usize].free.clone())
+    };
+    for _ in 0..head.spec.tasks {
+        // The node where this task needs the cheapest extra victims.
+        let mut best: Option<(u64, usize, NodeIdx, Vec<JobId>)> = None;
+        for (&idx, list) in &victims_on {
+            let n = &placer.fleet.nodes[idx as usize];
+            let mut free = free_of(&overlay, idx);
+            let mut extra = Vec::new();
+            let mut extra_cost = 0u64;
+            let mut fits = evaluate_node(&fit_only, n, &free, shape).is_some();
+            for &v in list {
+                if fits {
+                    break;
+                }
+                if chosen.contains(&v) {
+                    continue;
+                }
+                for rec in state.allocations_of(v) {
+                    if rec.allocation.node == n.node.spec.name {
+                        free.add_allocation(n.node, &state.jobs[&v], rec);
+                    }
+                }
+                extra.push(v);
+                extra_cost += costs[&v];
+                fits = evaluate_node(&fit_only, n, &free, shape).is_some();
+            }
+            if !fits {
+                continue;
+            }
+            let candidate = (extra_cost, extra.len(), idx, extra);
+            if best.as_ref().is_none_or(|b| (candidate.0, candidate.1, candidate.2) < (b.0, b.1, b.2)) {
+                best = Some(candidate);
+            }
+        }
+        let (_, _, idx, extra) = best?;
+        for v in extra {
+            chosen.insert(v);
+            // A victim's exit frees its tasks on every node it runs on.
+            for rec in state.allocations_of(v) {
+                if let Some(&i) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
+                    let mut f = free_of(&overlay, i);
+                    f.add_allocation(placer.fleet.nodes[i as usize].node, &state.jobs[&v], rec);
+                    overlay.insert(i, f);
+                }
+            }
+        }
+        let n = &placer.fleet.nodes[idx as usize];
+        let free = free_of(&overlay, idx);
+        let fit = evaluate_node(&fit_only, n, &free, shape)?;
+        overlay.insert(idx, take(n.node, &free, shape, &fit.units));
+    }
+    if chosen.is_empty() {
+        return None;
+    }
+    Some(Preemption {
+        for_job: head.id,
+        victims: chosen.into_iter().collect(),
+    })
+}

@@ -1,0 +1,202 @@
+//! Queue order: priority classes, aging, fair share across tenants, submission order.
+//!
+//! - A job's level is its priority class (low 0, normal 1, high 2) raised by one for every
+//!   `aging_step` it has been eligible to run (submitted, dependencies met), up to level 3, which
+//!   only aging reaches. Level 3 is served first and strictly first-come-first-served, so a job
+//!   that has waited `3 × aging_step` (a low job; less for others) can no longer be overtaken by
+//!   new work of any class: with the backfill reservation for the head job, its wait is bounded.
+//! - Within levels 0–2, tenants take turns by fair share: the tenant with the least decayed
+//!   GPU-seconds per unit of weight goes next (usage of finished allocations, decayed with a
+//!   24 h half-life, plus what running allocations have used so far, plus an estimate for what
+//!   this pass has already given it), then submission order within the tenant.
+//!
+//! Pure: the order depends only on the state and `now`, so a new leader serves the same queue
+//! in the same order (invariant 4).
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+
+use crate::state::{
+    ClusterState, DependencyKind, Job, JobState, MILLI_PER_GPU, Timestamp, priority_rank,
+};
+
+/// The level only aging reaches; served first, in eligibility order.
+pub const AGED_LEVEL: u8 = 3;
+
+/// Whether a pending job's dependencies allow it to start now.
+pub fn dependencies_met(state: &ClusterState, job: &Job) -> bool {
+    job.spec.dependencies.iter().all(|d| {
+        let Some(dep) = state.jobs.get(&d.job) else {
+            return false;
+        };
+        match d.kind {
+            DependencyKind::AfterOk => dep.state == JobState::Succeeded,
+            DependencyKind::AfterAny => dep.state.is_final(),
+            DependencyKind::AfterNotOk => dep.state.is_final() && dep.state != JobState::Succeeded,
+        }
+    })
+}
+
+/// When the job became eligible: its submission, or the end of its last dependency.
+pub fn eligible_since(state: &ClusterState, job: &Job) -> Timestamp {
+    job.spec
+        .dependencies
+        .iter()
+        .filter_map(|d| state.jobs.get(&d.job))
+        .filter_map(|dep| dep.history.last().map(|h| h.at))
+        .fold(job.submitted_at, Timestamp::max)
+}
+
+/// A job's level at `now`: its class, raised by aging.
+pub fn level(job: &Job, since: Timestamp, now: Timestamp, aging_step_ms: u64) -> u8 {
+    let base = priority_rank(&job.spec.priority_class);
+    let steps = now
+        .saturating_sub(since)
+        .checked_div(aging_step_ms)
+        .unwrap_or(0);
+    (u64::from(base) + steps).min(u64::from(AGED_LEVEL)) as u8
+}
+
+/// Totally ordered f64 for heaps (shares are finite and non-negative).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Share(f64);
+impl Eq for Share {}
+impl PartialOrd for Share {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Share {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+struct Level<'a> {
+    /// Level 3: one FIFO by eligibility time.
+    fifo: VecDeque<&'a Job>,
+    /// Levels 0–2: per-tenant FIFOs and a heap of tenants by fair share.
+    tenants: BTreeMap<&'a str, VecDeque<&'a Job>>,
+    heap: BinaryHeap<Reverse<(Share, &'a str)>>,
+}
+
+/// The pending queue of one pass, served in order by `next`; `charge` tells it what a tenant
+/// just received so the next turn goes to whoever is furthest below its share.
+pub struct Queue<'a> {
+    levels: Vec<Level<'a>>,
+    /// GPU-seconds per unit of weight, per tenant.
+    shares: BTreeMap<&'a str, f64>,
+    weights: BTreeMap<&'a str, f64>,
+    current: usize,
+}
+
+/// What a placement is expected to use, for fair share within one pass: its GPUs for its time
+/// limit, or an hour without one.
+pub fn expected_gpu_seconds(job: &Job) -> f64 {
+    let secs = job.spec.time_limit_secs.unwrap_or(3600).min(3600) as f64;
+    job.spec.total_gpu_milli() as f64 / MILLI_PER_GPU as f64 * secs
+}
+
+impl<'a> Queue<'a> {
+    /// The pending jobs whose dependencies are met, at most `limit` of them (the oldest of each
+    /// level first).
+    pub fn build(state: &'a ClusterState, now: Timestamp, aging_step_ms: u64, limit: usize) -> Queue<'a> {
+        let mut by_level: Vec<Vec<(Timestamp, &'a Job)>> = vec![Vec::new(); AGED_LEVEL as usize + 1];
+        for job in state.pending_jobs() {
+            if !dependencies_met(state, job) {
+                continue;
+            }
+            let since = eligible_since(state, job);
+            by_level[level(job, since, now, aging_step_ms) as usize].push((since, job));
+        }
+        // Usage per tenant: decayed finished usage plus what running allocations used so far.
+        let mut usage: BTreeMap<&'a str, f64> = BTreeMap::new();
+        for (tenant, u) in &state.tenant_usage {
+            usage.insert(tenant.as_str(), u.gpu_seconds_at(now));
+        }
+        for rec in state.allocations.values() {
+            if let Some(job) = state.jobs.get(&rec.allocation.job) {
+                let secs = now.saturating_sub(rec.allocation.created_at) as f64 / 1000.0;
+                let gpus = job.spec.gpu_milli_per_task() as f64 / MILLI_PER_GPU as f64;
+                *usage.entry(job.spec.tenant.as_str()).or_default() += gpus * secs;
+            }
+        }
+        let mut weights = BTreeMap::new();
+        let mut shares = BTreeMap::new();
+        let mut levels = Vec::new();
+        let mut budget = limit;
+        for (lvl, mut jobs) in by_level.into_iter().enumerate().rev() {
+            let mut level = Level {
+                fifo: VecDeque::new(),
+                tenants: BTreeMap::new(),
+                heap: BinaryHeap::new(),
+            };
+            if lvl == AGED_LEVEL as usize {
+                jobs.sort_unstable_by_key(|(since, j)| (*since, j.id));
+            } else {
+                jobs.sort_unstable_by_key(|(_, j)| j.id);
+            }
+            jobs.truncate(budget);
+            budget -= jobs.len();
+            for (_, job) in jobs {
+                if lvl == AGED_LEVEL as usize {
+                    level.fifo.push_back(job);
+                } else {
+                    let tenant = job.spec.tenant.as_str();
+                    level.tenants.entry(tenant).or_default().push_back(job);
+                    weights.entry(tenant).or_insert_with(|| {
+                        state
+                            .tenants
+                            .get(tenant)
+                            .map_or(1.0, |t| f64::from(t.weight.max(1)))
+                    });
+                }
+            }
+            for (&tenant, _) in &level.tenants {
+                let share = usage.get(tenant).copied().unwrap_or(0.0) / weights[tenant];
+                shares.insert(tenant, share);
+                level.heap.push(Reverse((Share(share), tenant)));
+            }
+            levels.push(level);
+        }
+        Queue {
+            levels,
+            shares,
+            weights,
+            current: 0,
+        }
+    }
+
+    /// The next job to consider, or None when the queue is served.
+    pub fn next_job(&mut self) -> Option<&'a Job> {
+        while let Some(level) = self.levels.get_mut(self.current) {
+            if let Some(job) = level.fifo.pop_front() {
+                return Some(job);
+            }
+            while let Some(Reverse((Share(s), tenant))) = level.heap.pop() {
+                // Stale heap entry: the tenant was charged since it was pushed.
+                let current = self.shares.get(tenant).copied().unwrap_or(0.0);
+                if s < current {
+                    level.heap.push(Reverse((Share(current), tenant)));
+                    continue;
+                }
+                let queue = level.tenants.get_mut(tenant)?;
+                let job = queue.pop_front();
+                if !queue.is_empty() {
+                    level.heap.push(Reverse((Share(current), tenant)));
+                }
+                if let Some(job) = job {
+                    return Some(job);
+                }
+            }
+            self.current += 1;
+        }
+        None
+    }
+
+    /// A tenant received `gpu_seconds` of expected use in this pass.
+    pub fn charge(&mut self, tenant: &'a str, gpu_seconds: f64) {
+        let w = self.weights.get(tenant).copied().unwrap_or(1.0);
+        *self.shares.entry(tenant).or_default() += gpu_seconds / w;
+    }
+}

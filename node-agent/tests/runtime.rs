@@ -9,8 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use node_agent::runtime::{
-    ExitKind, INHERITED_ENV, LaunchSpec, RESERVED_ENV, Runtime, RuntimeConfig, RuntimeError,
-    RuntimeEvent, StopReason, UsageRecord, check_no_overlap, read_usage_journal,
+    ExitKind, GpuShare, INHERITED_ENV, LaunchSpec, RESERVED_ENV, Runtime, RuntimeConfig,
+    RuntimeError, RuntimeEvent, StopReason, UsageRecord, check_no_overlap, read_usage_journal,
 };
 
 const SHIM: &str = env!("CARGO_BIN_EXE_node-agent");
@@ -40,6 +40,8 @@ fn spec(id: u64, gpus: &[&str], work: &Path, script: &str) -> LaunchSpec {
         env: BTreeMap::from([("WORK".to_string(), work.display().to_string())]),
         gpus: gpus.iter().map(|g| g.to_string()).collect(),
         time_limit: None,
+        share: None,
+        mig_parents: BTreeMap::new(),
     }
 }
 
@@ -371,7 +373,7 @@ fn launch_refuses_busy_gpus_and_second_copies_and_journal_shows_no_overlap() {
         .launch(spec(11, &["GPU-2", "GPU-1"], work.path(), long))
         .expect_err("GPU-1 is busy");
     assert!(
-        matches!(&err, RuntimeError::GpuBusy { gpu, holder: 10, allocation: 11 } if gpu == "GPU-1"),
+        matches!(&err, RuntimeError::GpuBusy { gpu, holder: 10, allocation: 11, .. } if gpu == "GPU-1"),
         "{err}"
     );
     let err = rt
@@ -385,9 +387,9 @@ fn launch_refuses_busy_gpus_and_second_copies_and_journal_shows_no_overlap() {
     assert_eq!(
         rt.gpus_in_use(),
         BTreeMap::from([
-            ("GPU-0".to_string(), 10),
-            ("GPU-1".to_string(), 10),
-            ("GPU-2".to_string(), 12),
+            ("GPU-0".to_string(), vec![10]),
+            ("GPU-1".to_string(), vec![10]),
+            ("GPU-2".to_string(), vec![12]),
         ])
     );
 
@@ -431,10 +433,138 @@ fn launch_refuses_busy_gpus_and_second_copies_and_journal_shows_no_overlap() {
             gpus: vec!["GPU-1".to_string()],
             pid: 1,
             at_ms: 0,
+            share: None,
+            mig_parents: BTreeMap::new(),
         },
     );
     let err = check_no_overlap(&tampered).expect_err("injected overlap");
     assert!(err.contains("GPU-1"), "{err}");
+}
+
+/// A share of `milli` of `gpu` (an 80 GB GPU), with memory in proportion.
+fn share_spec(id: u64, gpu: &str, milli: u32, work: &Path, script: &str) -> LaunchSpec {
+    LaunchSpec {
+        share: Some(GpuShare {
+            milli,
+            memory_mib: 80 * u64::from(milli),
+            gpu_memory_mib: 80_000,
+        }),
+        ..spec(id, &[gpu], work, script)
+    }
+}
+
+/// An allocation on the MIG slice `slice` of `parent`.
+fn slice_spec(id: u64, slice: &str, parent: &str, work: &Path, script: &str) -> LaunchSpec {
+    LaunchSpec {
+        mig_parents: BTreeMap::from([(slice.to_string(), parent.to_string())]),
+        ..spec(id, &[slice], work, script)
+    }
+}
+
+#[test]
+fn shares_run_together_within_one_gpu_and_mig_slices_beside_each_other_but_not_beside_their_gpu() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let work = tempfile::tempdir().expect("tempdir");
+    let mut rt = Runtime::open(config(state.path())).expect("open");
+    let script = "env > \"$WORK/env-$GPUCP_ALLOCATION_ID\"; sleep 30";
+
+    for id in 1..=4 {
+        rt.launch(share_spec(id, "GPU-s", 250, work.path(), script))
+            .unwrap_or_else(|e| panic!("share {id}: {e}"));
+    }
+    assert_eq!(rt.live(), vec![1, 2, 3, 4]);
+    assert_eq!(rt.gpus_in_use()["GPU-s"], vec![1, 2, 3, 4]);
+    assert_eq!(rt.allocations_on("GPU-s"), vec![1, 2, 3, 4]);
+    for id in 1..=4 {
+        let path = work.path().join(format!("env-{id}"));
+        wait_until("the share's environment", || {
+            fs::read_to_string(&path).is_ok_and(|t| t.contains("GPUCP_GPU_MILLI"))
+        });
+        let env = env_file(&path);
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-s");
+        assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+        assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "GPU-s=20000M");
+        assert_eq!(env["GPUCP_GPU_MILLI"], "250");
+        assert_eq!(env["GPUCP_GPU_MEMORY_MIB"], "20000");
+    }
+
+    step_refused(
+        &mut rt,
+        share_spec(5, "GPU-s", 250, work.path(), script),
+        "1000 milli",
+    );
+    step_refused(&mut rt, spec(6, &["GPU-s"], work.path(), script), "shared");
+
+    rt.stop(2, StopReason::Requested).expect("stop");
+    assert_eq!(wait_for_exit(&mut rt, 2).0, ExitKind::Stopped);
+    rt.launch(share_spec(5, "GPU-s", 250, work.path(), script))
+        .expect("a share ended: the fifth fits now");
+    step_refused(
+        &mut rt,
+        share_spec(7, "GPU-s", 10, work.path(), script),
+        "1000 milli",
+    );
+
+    // MIG: two slices of one GPU at once, but no slice while the GPU is used whole, and no
+    // whole-GPU use while a slice runs.
+    rt.launch(slice_spec(10, "MIG-1", "GPU-m", work.path(), script))
+        .expect("slice 1");
+    rt.launch(slice_spec(11, "MIG-2", "GPU-m", work.path(), script))
+        .expect("slice 2");
+    assert_eq!(rt.allocations_on("GPU-m"), vec![10, 11]);
+    assert_eq!(rt.allocations_on("MIG-2"), vec![11]);
+    step_refused(
+        &mut rt,
+        slice_spec(12, "MIG-1", "GPU-m", work.path(), script),
+        "allocation 10",
+    );
+    step_refused(&mut rt, spec(13, &["GPU-m"], work.path(), script), "MIG");
+    step_refused(
+        &mut rt,
+        share_spec(14, "GPU-m", 100, work.path(), script),
+        "MIG",
+    );
+    rt.launch(spec(15, &["GPU-w"], work.path(), script))
+        .expect("whole GPU");
+    step_refused(
+        &mut rt,
+        slice_spec(16, "MIG-3", "GPU-w", work.path(), script),
+        "GPU-w",
+    );
+
+    for id in rt.live() {
+        rt.stop(id, StopReason::Requested).expect("stop");
+    }
+    while !rt.live().is_empty() {
+        let id = rt.live()[0];
+        wait_for_exit(&mut rt, id);
+    }
+    let journal = read_usage_journal(&rt.usage_journal_path()).expect("journal");
+    check_no_overlap(&journal).expect("the real history obeys the rule");
+    let shares = journal
+        .iter()
+        .filter(|r| matches!(r, UsageRecord::Start { share: Some(s), .. } if s.milli == 250))
+        .count();
+    assert_eq!(shares, 5, "{journal:?}");
+}
+
+/// `spec` is refused because its GPU is busy, with `word` in the reason; nothing starts.
+fn step_refused(rt: &mut Runtime, spec: LaunchSpec, word: &str) {
+    let id = spec.allocation_id;
+    let live = rt.live();
+    match rt.launch(spec) {
+        Err(RuntimeError::GpuBusy {
+            allocation, reason, ..
+        }) => {
+            assert_eq!(allocation, id);
+            assert!(
+                reason.contains(word),
+                "allocation {id}: `{reason}` lacks `{word}`"
+            );
+        }
+        other => panic!("allocation {id}: expected GpuBusy, got {other:?}"),
+    }
+    assert_eq!(rt.live(), live, "a refused launch started something");
 }
 
 #[test]
@@ -459,7 +589,7 @@ fn restart_readopts_the_running_process_and_reports_its_exit_once() {
     assert_eq!(rt.pid(20), Some(pid), "re-adopted, not restarted");
     assert_eq!(
         rt.gpus_in_use(),
-        BTreeMap::from([("GPU-a".to_string(), 20)])
+        BTreeMap::from([("GPU-a".to_string(), vec![20])])
     );
     assert!(matches!(
         rt.launch(spec(20, &["GPU-b"], work.path(), script)),

@@ -38,7 +38,8 @@ pub struct AgentArgs {
     /// Labels as KEY=VALUE (repeatable), e.g. rack=r12.
     #[arg(long = "label", value_name = "KEY=VALUE")]
     pub labels: Vec<String>,
-    /// Simulate a host from a preset: dgx-h100, dgx1-v100, a100-pcie-4gpu-nvlink-pairs, pcie-8gpu-2socket.
+    /// Simulate a host from a preset: dgx-h100, dgx1-v100, a100-pcie-4gpu-nvlink-pairs,
+    /// pcie-8gpu-2socket, h100-pcie-1gpu, h100-pcie-1gpu-mig (its GPU cut into MIG slices).
     #[arg(long, value_name = "PRESET", conflicts_with = "simulated_topology")]
     pub simulated: Option<String>,
     /// Simulate a host from an `nvidia-smi topo -m` file (e.g. pasted from a real host).
@@ -50,7 +51,8 @@ pub struct AgentArgs {
     /// GPU memory of a --simulated-topology host, MiB.
     #[arg(long, default_value_t = 81_559)]
     pub gpu_memory_mib: u64,
-    /// MIG layout of a simulated host: INDEX=PROFILE+PROFILE (repeatable), e.g. 0=3g.40gb+4g.40gb.
+    /// MIG layout of a simulated host: INDEX=PROFILE+PROFILE (repeatable), e.g. 0=3g.40gb+4g.40gb;
+    /// replaces a preset's layout for that GPU (INDEX= with no profiles: MIG mode, no slices).
     #[arg(long = "mig", value_name = "INDEX=PROFILES")]
     pub mig: Vec<String>,
     /// Seconds between SIGTERM and SIGKILL when stopping a workload.
@@ -92,7 +94,12 @@ impl AgentArgs {
             let idx: u32 = idx
                 .parse()
                 .with_context(|| format!("--mig {m:?}: {idx:?} is not a GPU index"))?;
-            mig.push((idx, profiles.split('+').map(str::to_owned).collect()));
+            let profiles = profiles
+                .split('+')
+                .filter(|p| !p.is_empty())
+                .map(str::to_owned)
+                .collect();
+            mig.push((idx, profiles));
         }
         let sim_spec: Option<SimulatedSpec> = match (&self.simulated, &self.simulated_topology) {
             (Some(p), _) => {
@@ -118,7 +125,10 @@ impl AgentArgs {
         };
         let (backend, simulated): (Arc<dyn GpuBackend>, _) = match sim_spec {
             Some(mut spec) => {
-                spec.mig = mig;
+                // A preset's own layout, except for the GPUs the flags describe.
+                spec.mig
+                    .retain(|(gpu, _)| !mig.iter().any(|(flagged, _)| flagged == gpu));
+                spec.mig.extend(mig);
                 let sim = Arc::new(SimulatedBackend::new(spec)?);
                 (sim.clone(), Some(sim))
             }
@@ -187,4 +197,89 @@ pub fn run_agent_process(
         )
         .await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: AgentArgs,
+    }
+
+    fn build(args: &[&str]) -> anyhow::Result<Built> {
+        let cli = Cli::try_parse_from(std::iter::once("node-agent").chain(args.iter().copied()))?;
+        cli.agent.build("/bin/true".into(), Vec::new())
+    }
+
+    fn slices(built: &Built) -> Vec<(u32, Vec<String>)> {
+        built
+            .backend
+            .inventory()
+            .expect("inventory")
+            .gpus
+            .iter()
+            .filter(|g| g.mig_enabled)
+            .map(|g| {
+                (
+                    g.index,
+                    g.mig_instances.iter().map(|m| m.profile.clone()).collect(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_mig_preset_starts_with_its_slices_and_flags_replace_a_gpus_layout() {
+        let built = build(&["--name", "m", "--simulated", "h100-pcie-1gpu-mig"]).expect("builds");
+        assert_eq!(
+            slices(&built),
+            vec![(
+                0,
+                vec!["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
+                    .into_iter()
+                    .map(String::from)
+                    .collect()
+            )]
+        );
+        let built = build(&[
+            "--name",
+            "m",
+            "--simulated",
+            "h100-pcie-1gpu-mig",
+            "--mig",
+            "0=1g.10gb+1g.10gb",
+        ])
+        .expect("builds");
+        assert_eq!(
+            slices(&built),
+            vec![(0, vec!["1g.10gb".to_string(), "1g.10gb".to_string()])]
+        );
+        let built = build(&[
+            "--name",
+            "m",
+            "--simulated",
+            "h100-pcie-1gpu-mig",
+            "--mig",
+            "0=",
+        ])
+        .expect("builds");
+        assert_eq!(slices(&built), vec![(0, Vec::new())]);
+        // A whole-GPU preset gets slices only from flags.
+        let built = build(&[
+            "--name",
+            "a",
+            "--simulated",
+            "dgx-h100",
+            "--mig",
+            "3=7g.80gb",
+        ])
+        .expect("builds");
+        assert_eq!(slices(&built), vec![(3, vec!["7g.80gb".to_string()])]);
+        assert!(build(&["--simulated", "h100-pcie-1gpu", "--mig", "1=1g.10gb"]).is_err());
+    }
 }

@@ -31,7 +31,9 @@ use crate::gpu::simulated::SimulatedBackend;
 use crate::gpu::{GpuBackend, GpuEvent, HostInventory};
 use crate::health;
 use crate::runtime::process::now_ms;
-use crate::runtime::{ExitKind, LaunchSpec, Runtime, RuntimeConfig, RuntimeEvent, StopReason};
+use crate::runtime::{
+    ExitKind, GpuShare, LaunchSpec, Runtime, RuntimeConfig, RuntimeEvent, StopReason,
+};
 use control::ControlPlane;
 use reconcile::{Action, Fence, reconcile};
 
@@ -82,7 +84,7 @@ struct AllocationReport {
 }
 
 /// Why the agent stopped an allocation, so its exit is reported with the right meaning.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum StopCause {
     NotAssigned,
     Fenced,
@@ -247,23 +249,15 @@ impl Agent {
                         );
                         continue;
                     }
-                    let in_use = st.runtime.gpus_in_use();
-                    if let Some(busy) = a.gpus.iter().find(|g| in_use.contains_key(*g)) {
-                        // Its previous user is still stopping; retried on the next tick.
-                        tracing::debug!(allocation = a.allocation_id, gpu = %busy, "GPU still in use; launch deferred");
+                    let spec = launch_spec(&self.inventory, &a);
+                    if let Err(busy @ crate::runtime::RuntimeError::GpuBusy { .. }) =
+                        st.runtime.check_gpus_free(&spec)
+                    {
+                        // Its previous user is still stopping (or, for a share, the shares
+                        // still running leave too little of the GPU); retried on the next tick.
+                        tracing::debug!(allocation = a.allocation_id, error = %busy, "GPU still in use; launch deferred");
                         continue;
                     }
-                    let spec = LaunchSpec {
-                        allocation_id: a.allocation_id,
-                        job_id: a.job_id,
-                        job_name: a.job_name.clone(),
-                        tenant: a.tenant.clone(),
-                        command: a.command.clone(),
-                        env: a.env.clone().into_iter().collect(),
-                        gpus: a.gpus.clone(),
-                        time_limit: (a.time_limit_secs > 0)
-                            .then(|| Duration::from_secs(a.time_limit_secs)),
-                    };
                     match st.runtime.launch(spec) {
                         Ok(()) => {
                             tracing::info!(allocation = a.allocation_id, job = a.job_id, gpus = ?a.gpus, "launched");
@@ -271,6 +265,22 @@ impl Agent {
                         }
                         // Already started in this or an earlier life of the agent: never twice.
                         Err(crate::runtime::RuntimeError::AlreadyKnown(_)) => {}
+                        // The assignment itself cannot be run (e.g. a share of two GPUs): it
+                        // would fail the same way on any node, so the job fails rather than
+                        // being requeued for ever.
+                        Err(e @ crate::runtime::RuntimeError::InvalidSpec { .. }) => {
+                            tracing::warn!(allocation = a.allocation_id, error = %e, "launch refused");
+                            st.finished.insert(a.allocation_id);
+                            let reason = format!("node {} cannot run it: {e}", self.config.name);
+                            self.queue_exit(
+                                &mut st,
+                                AllocationReport::exit(
+                                    a.allocation_id,
+                                    pa::allocation_report::Event::Failed,
+                                    &reason,
+                                ),
+                            );
+                        }
                         Err(e) => {
                             // A fault of this host (spawn failure, full disk), not of the job:
                             // requeue it rather than fail it.
@@ -389,21 +399,76 @@ impl Agent {
             }));
         }
         let mut st = self.lock();
-        let holder = st.runtime.gpus_in_use().get(&uuid).copied();
-        if let Some(id) = holder
-            && (verdict.job_fails || verdict.gpu_unhealthy)
-        {
-            let cause = if verdict.gpu_unhealthy {
-                StopCause::GpuFault(verdict.reason.clone())
-            } else {
-                StopCause::JobFault(verdict.reason.clone())
-            };
+        let on_gpu = st.runtime.allocations_on(&uuid);
+        for (id, cause) in fault_stops(&verdict, &on_gpu) {
             st.stopping.insert(id, cause);
             if let Err(e) = st.runtime.stop(id, StopReason::GpuFault) {
                 tracing::warn!(allocation = id, error = %e, "stop failed");
             }
         }
     }
+}
+
+/// What the runtime launches for assignment `a`: its command and GPUs, its share of a GPU
+/// (with the GPU's memory, so that the runtime can check that the shares fit), and the
+/// parent GPU of each MIG slice, as this host's inventory says.
+fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
+    let gpus = &inventory.gpus;
+    let share = (a.gpu_milli > 0).then(|| GpuShare {
+        milli: a.gpu_milli,
+        memory_mib: a.gpu_memory_mib,
+        gpu_memory_mib: a
+            .gpus
+            .first()
+            .and_then(|uuid| gpus.iter().find(|g| &g.uuid == uuid))
+            .map_or(0, |g| g.memory_mib),
+    });
+    let mig_parents = a
+        .gpus
+        .iter()
+        .filter_map(|uuid| {
+            gpus.iter()
+                .find(|g| g.mig_instances.iter().any(|m| &m.uuid == uuid))
+                .map(|g| (uuid.clone(), g.uuid.clone()))
+        })
+        .collect();
+    LaunchSpec {
+        allocation_id: a.allocation_id,
+        job_id: a.job_id,
+        job_name: a.job_name.clone(),
+        tenant: a.tenant.clone(),
+        command: a.command.clone(),
+        env: a.env.clone().into_iter().collect(),
+        gpus: a.gpus.clone(),
+        time_limit: (a.time_limit_secs > 0).then(|| Duration::from_secs(a.time_limit_secs)),
+        share,
+        mig_parents,
+    }
+}
+
+/// What a GPU event does to the allocations on that GPU (`on_gpu`: whole-GPU users, every
+/// share of it, and those on its MIG slices): all of them stop when the event fails the job or
+/// makes the GPU unhealthy. An MPS fault reaches every client of the GPU and the MPS server
+/// takes no new client there until all of them have exited; the event names the GPU, not a
+/// MIG instance. A GPU fault requeues them; an application error fails them, and when several
+/// share the GPU the reason says the fault could not be pinned on one of them.
+fn fault_stops(verdict: &health::HealthVerdict, on_gpu: &[u64]) -> Vec<(u64, StopCause)> {
+    if !(verdict.job_fails || verdict.gpu_unhealthy) {
+        return Vec::new();
+    }
+    let cause = if verdict.gpu_unhealthy {
+        StopCause::GpuFault(verdict.reason.clone())
+    } else if on_gpu.len() > 1 {
+        StopCause::JobFault(format!(
+            "{}; {} allocations share the GPU, and the fault reaches all of them without \
+             saying which one caused it",
+            verdict.reason,
+            on_gpu.len()
+        ))
+    } else {
+        StopCause::JobFault(verdict.reason.clone())
+    };
+    on_gpu.iter().map(|id| (*id, cause.clone())).collect()
 }
 
 impl AllocationReport {
@@ -785,5 +850,96 @@ async fn gpu_event_loop(agent: Arc<Agent>, backend: Arc<dyn GpuBackend>) {
     });
     while let Some(ev) = rx.recv().await {
         agent.on_gpu_event(ev);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verdict(job_fails: bool, gpu_unhealthy: bool) -> health::HealthVerdict {
+        health::HealthVerdict {
+            job_fails,
+            gpu_unhealthy,
+            gpu_recovered: false,
+            reason: "Xid".to_string(),
+        }
+    }
+
+    #[test]
+    fn a_gpu_fault_stops_every_allocation_on_the_gpu() {
+        // Unhealthy GPU: all of them, requeued.
+        for unhealthy in [verdict(true, true), verdict(false, true)] {
+            assert_eq!(
+                fault_stops(&unhealthy, &[3, 5, 9]),
+                [3, 5, 9].map(|id| (id, StopCause::GpuFault("Xid".into())))
+            );
+        }
+        // An application error of the only user fails it, with the Xid's reason.
+        assert_eq!(
+            fault_stops(&verdict(true, false), &[4]),
+            vec![(4, StopCause::JobFault("Xid".into()))]
+        );
+        // Of a shared GPU: all of its users fail, told why.
+        let stops = fault_stops(&verdict(true, false), &[4, 6]);
+        assert_eq!(stops.len(), 2);
+        for (id, (got, cause)) in [4, 6].iter().zip(&stops) {
+            assert_eq!(got, id);
+            assert!(
+                matches!(cause, StopCause::JobFault(r) if r.starts_with("Xid") && r.contains("2 allocations share the GPU")),
+                "{cause:?}"
+            );
+        }
+        // Informational: nobody stops.
+        assert!(fault_stops(&verdict(false, false), &[1, 2]).is_empty());
+        assert!(fault_stops(&verdict(true, true), &[]).is_empty());
+    }
+
+    #[test]
+    fn launch_specs_carry_the_share_and_the_parents_of_mig_slices() {
+        let inventory = SimulatedBackend::from_preset("h100-pcie-1gpu-mig", "n")
+            .expect("preset")
+            .inventory()
+            .expect("inventory");
+        let gpu = &inventory.gpus[0];
+        let slice = gpu.mig_instances[1].uuid.clone();
+        let a = pa::Assignment {
+            allocation_id: 7,
+            job_id: 3,
+            command: vec!["true".into()],
+            gpus: vec![slice.clone()],
+            time_limit_secs: 60,
+            ..Default::default()
+        };
+        let s = launch_spec(&inventory, &a);
+        assert_eq!(s.gpus, vec![slice.clone()]);
+        assert_eq!(s.mig_parents, BTreeMap::from([(slice, gpu.uuid.clone())]));
+        assert_eq!(s.share, None);
+        assert_eq!(s.time_limit, Some(Duration::from_secs(60)));
+
+        let whole = SimulatedBackend::from_preset("h100-pcie-1gpu", "n")
+            .expect("preset")
+            .inventory()
+            .expect("inventory");
+        let a = pa::Assignment {
+            allocation_id: 8,
+            gpus: vec![whole.gpus[0].uuid.clone()],
+            gpu_milli: 250,
+            gpu_memory_mib: 20_389,
+            ..Default::default()
+        };
+        let s = launch_spec(&whole, &a);
+        assert_eq!(
+            s.share,
+            Some(GpuShare {
+                milli: 250,
+                memory_mib: 20_389,
+                gpu_memory_mib: whole.gpus[0].memory_mib,
+            })
+        );
+        assert!(s.mig_parents.is_empty());
+        // An exclusive assignment: no share.
+        let a = pa::Assignment { gpu_milli: 0, ..a };
+        assert_eq!(launch_spec(&whole, &a).share, None);
     }
 }

@@ -50,6 +50,8 @@ pub struct Preset {
     pub memory_mib: u64,
     pub cpu_milli: u64,
     pub host_memory_mib: u64,
+    /// MIG layouts, as in [`SimulatedSpec::mig`]: (GPU index, profiles). Empty: no MIG.
+    pub mig: &'static [(u32, &'static [&'static str])],
 }
 
 /// The shipped presets. CPU counts match the union of the files' CPU affinity lists (a test
@@ -63,6 +65,7 @@ pub const PRESETS: &[Preset] = &[
         // 2 × 56-core Xeon 8480C with hyper-threading.
         cpu_milli: 224_000,
         host_memory_mib: 2 * 1024 * 1024,
+        mig: &[],
     },
     Preset {
         name: "dgx1-v100",
@@ -72,6 +75,7 @@ pub const PRESETS: &[Preset] = &[
         // 2 × 20-core Xeon E5-2698 v4 with hyper-threading.
         cpu_milli: 80_000,
         host_memory_mib: 512 * 1024,
+        mig: &[],
     },
     Preset {
         name: "a100-pcie-4gpu-nvlink-pairs",
@@ -80,6 +84,7 @@ pub const PRESETS: &[Preset] = &[
         memory_mib: 81920,
         cpu_milli: 32_000,
         host_memory_mib: 1024 * 1024,
+        mig: &[],
     },
     Preset {
         name: "pcie-8gpu-2socket",
@@ -88,6 +93,28 @@ pub const PRESETS: &[Preset] = &[
         memory_mib: 46068,
         cpu_milli: 64_000,
         host_memory_mib: 1024 * 1024,
+        mig: &[],
+    },
+    // One GPU: the smallest host, where GPU shares (MPS) pack.
+    Preset {
+        name: "h100-pcie-1gpu",
+        topology_text: include_str!("../../topologies/h100-pcie-1gpu.txt"),
+        model: "NVIDIA H100 PCIe",
+        memory_mib: 81559,
+        cpu_milli: 32_000,
+        host_memory_mib: 512 * 1024,
+        mig: &[],
+    },
+    // The same host with its GPU in MIG mode, cut into every size of slice: 3g + 2g + 1g + 1g
+    // (all 7 compute slices and 8 memory slices).
+    Preset {
+        name: "h100-pcie-1gpu-mig",
+        topology_text: include_str!("../../topologies/h100-pcie-1gpu.txt"),
+        model: "NVIDIA H100 PCIe",
+        memory_mib: 81559,
+        cpu_milli: 32_000,
+        host_memory_mib: 512 * 1024,
+        mig: &[(0, &["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"])],
     },
 ];
 
@@ -97,7 +124,7 @@ pub fn preset(name: &str) -> Option<&'static Preset> {
 }
 
 impl Preset {
-    /// The description of a host called `host` built from this preset, without MIG.
+    /// The description of a host called `host` built from this preset, with its MIG layout.
     pub fn spec(&self, host: &str) -> Result<SimulatedSpec, GpuError> {
         let topology =
             topology::parse(self.topology_text).map_err(|message| GpuError::Topology {
@@ -110,7 +137,11 @@ impl Preset {
             topology,
             model: self.model.to_string(),
             memory_mib: self.memory_mib,
-            mig: Vec::new(),
+            mig: self
+                .mig
+                .iter()
+                .map(|(gpu, profiles)| (*gpu, profiles.iter().map(|p| p.to_string()).collect()))
+                .collect(),
             cpu_milli: self.cpu_milli,
             host_memory_mib: self.host_memory_mib,
         })
@@ -507,6 +538,58 @@ mod tests {
             err.contains("dgx-b200") && err.contains("dgx-h100"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn every_preset_builds_and_the_single_gpu_ones_have_their_mig_layouts() {
+        let mut names = HashSet::new();
+        for p in PRESETS {
+            assert!(names.insert(p.name), "two presets called {}", p.name);
+            let inv = SimulatedBackend::from_preset(p.name, "node-1")
+                .unwrap_or_else(|e| panic!("{}: {e}", p.name))
+                .inventory()
+                .expect("inventory");
+            let cpus = inv.topology.affinity_cpu_count().expect("affinity lists");
+            assert_eq!(inv.cpu_milli, u64::from(cpus) * 1000, "{}", p.name);
+            let mig_gpus: Vec<u32> = p.mig.iter().map(|(gpu, _)| *gpu).collect();
+            for gpu in &inv.gpus {
+                assert_eq!(gpu.mig_enabled, mig_gpus.contains(&gpu.index), "{}", p.name);
+            }
+        }
+
+        let inv = SimulatedBackend::from_preset("h100-pcie-1gpu", "n")
+            .expect("preset")
+            .inventory()
+            .expect("inventory");
+        assert_eq!(inv.gpus.len(), 1);
+        assert!(!inv.gpus[0].mig_enabled && inv.gpus[0].mig_instances.is_empty());
+        assert_eq!(inv.gpus[0].memory_mib, 81559);
+
+        let inv = SimulatedBackend::from_preset("h100-pcie-1gpu-mig", "n")
+            .expect("preset")
+            .inventory()
+            .expect("inventory");
+        assert_eq!(inv.gpus.len(), 1);
+        let gpu = &inv.gpus[0];
+        assert!(gpu.mig_enabled);
+        let got: Vec<(&str, u64)> = gpu
+            .mig_instances
+            .iter()
+            .map(|m| (m.profile.as_str(), m.memory_mib))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("3g.40gb", 40448),
+                ("2g.20gb", 20096),
+                ("1g.10gb", 9984),
+                ("1g.10gb", 9984)
+            ]
+        );
+        assert!(gpu.mig_instances.iter().all(|m| is_uuid("MIG", &m.uuid)));
+        // The same host name gives the same UUIDs as the whole-GPU preset (the GPU is the
+        // same card, only its mode differs).
+        assert_eq!(gpu.uuid, gpu_uuid("n", 0));
     }
 
     #[test]

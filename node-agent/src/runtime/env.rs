@@ -7,9 +7,39 @@
 //! behaviour depend on how the agent was started. Only the basics a program needs to run
 //! like a login session ([`INHERITED_ENV`]) pass through; everything else comes from the
 //! launch spec.
+//!
+//! # GPU shares (CUDA MPS) and MIG slices
+//!
+//! A share of a GPU ([`LaunchSpec::share`]) runs as a CUDA MPS client. The MPS control daemon
+//! (`nvidia-cuda-mps-control -d`, usually with the GPU in `EXCLUSIVE_PROCESS` compute mode so
+//! that no context bypasses it) is the host operator's setup, like the driver itself: the agent
+//! neither starts nor checks it. What the agent guarantees regardless, on every host:
+//! - the command sees exactly its one GPU (`CUDA_VISIBLE_DEVICES` = its UUID);
+//! - it gets the limits an MPS client obeys, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` = its milli
+//!   rounded up to a percent and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` = `<GPU UUID>=<MiB>M`
+//!   (NVIDIA's MPS guide, "Environment Variables": the limit variable takes device ordinals
+//!   and/or UUIDs like `CUDA_VISIBLE_DEVICES`, each with `=limit`, e.g. `0=1G,1=512MB`; the
+//!   UUID is used because ordinals are renumbered by `CUDA_VISIBLE_DEVICES` and by an MPS
+//!   server started with its own `CUDA_VISIBLE_DEVICES`). A client can only lower, never raise,
+//!   a limit the daemon sets, and the job cannot set these variables itself ([`RESERVED_ENV`]);
+//! - it learns its share as `GPUCP_GPU_MILLI` and `GPUCP_GPU_MEMORY_MIB`, for frameworks that
+//!   size themselves (e.g. PyTorch's per-process memory fraction) where no MPS daemon runs;
+//! - the runtime never starts it while the GPU is used whole, nor beyond 1000 milli or the
+//!   GPU's memory together with the other shares (`ledger.rs`), whatever the control plane says.
+//!
+//! The MPS pipe and log directories (`CUDA_MPS_PIPE_DIRECTORY`, `CUDA_MPS_LOG_DIRECTORY`) are
+//! where the operator's daemon listens, so they come from the agent's environment when set
+//! there, for every allocation (a CUDA program connects to a running daemon whether or not it
+//! holds a share), and a job cannot point them elsewhere.
+//!
+//! A MIG slice is addressed by its own UUID (`MIG-...`), which is what `CUDA_VISIBLE_DEVICES`
+//! and `NVIDIA_VISIBLE_DEVICES` take for MIG devices, so slices need nothing beyond the list of
+//! UUIDs. CUDA enumerates only one MIG instance per process, so a process given several slices
+//! uses the first (a job that wants several runs one process per slice).
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::ledger::MILLI_PER_GPU;
 use super::types::{LaunchSpec, RuntimeError};
 
 /// Variables copied from the agent's environment when present: the search path, the
@@ -30,6 +60,10 @@ pub const INHERITED_ENV: &[&str] = &[
     "TERM",
 ];
 
+/// The host's MPS setup, copied from the agent's environment when present (see the module
+/// documentation); a launch spec cannot override them.
+pub const HOST_MPS_ENV: &[&str] = &["CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"];
+
 /// `PATH` used when the agent itself has none (e.g. started by a minimal init).
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -43,6 +77,12 @@ pub const RESERVED_ENV: &[&str] = &[
     "GPUCP_JOB_NAME",
     "GPUCP_TENANT",
     "GPUCP_GPUS",
+    "GPUCP_GPU_MILLI",
+    "GPUCP_GPU_MEMORY_MIB",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "CUDA_MPS_PIPE_DIRECTORY",
+    "CUDA_MPS_LOG_DIRECTORY",
 ];
 
 /// The complete environment of the command, built from (lowest precedence first) the
@@ -50,7 +90,8 @@ pub const RESERVED_ENV: &[&str] = &[
 ///
 /// With zero GPUs the command gets `CUDA_VISIBLE_DEVICES=` (CUDA then sees no device) and
 /// `NVIDIA_VISIBLE_DEVICES=void` (the NVIDIA container runtime's "no GPU" value), so a
-/// CPU-only allocation cannot reach a GPU another allocation holds.
+/// CPU-only allocation cannot reach a GPU another allocation holds. A share also gets its
+/// MPS limits and `GPUCP_GPU_MILLI`/`GPUCP_GPU_MEMORY_MIB` (see the module documentation).
 pub fn command_env(
     spec: &LaunchSpec,
     parent: impl Fn(&str) -> Option<String>,
@@ -84,7 +125,40 @@ pub fn command_env(
     env.insert("GPUCP_JOB_NAME".to_string(), spec.job_name.clone());
     env.insert("GPUCP_TENANT".to_string(), spec.tenant.clone());
     env.insert("GPUCP_GPUS".to_string(), gpus);
+    for key in HOST_MPS_ENV {
+        if let Some(value) = parent(key) {
+            env.insert((*key).to_string(), value);
+        }
+    }
+    if let Some(share) = &spec.share {
+        env.insert(
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_string(),
+            active_thread_percentage(share.milli).to_string(),
+        );
+        if share.memory_mib > 0 {
+            let limits: Vec<String> = spec
+                .gpus
+                .iter()
+                .map(|gpu| format!("{gpu}={}M", share.memory_mib))
+                .collect();
+            env.insert(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(),
+                limits.join(","),
+            );
+        }
+        env.insert("GPUCP_GPU_MILLI".to_string(), share.milli.to_string());
+        env.insert(
+            "GPUCP_GPU_MEMORY_MIB".to_string(),
+            share.memory_mib.to_string(),
+        );
+    }
     env
+}
+
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` for a share of `milli`: the percentage rounded up, so
+/// that a small share still gets some threads (1 milli → 1 %), capped at 100.
+pub fn active_thread_percentage(milli: u32) -> u32 {
+    milli.div_ceil(10).min(100)
 }
 
 /// Rejects specs that cannot be launched faithfully, before anything is written to disk:
@@ -136,12 +210,52 @@ pub fn validate_spec(spec: &LaunchSpec) -> Result<(), RuntimeError> {
             return Err(invalid(format!("GPU {gpu} is listed twice")));
         }
     }
+    for (slice, parent) in &spec.mig_parents {
+        if !seen.contains(slice.as_str()) {
+            return Err(invalid(format!(
+                "MIG slice {slice} has a parent GPU but is not one of the allocation's GPUs"
+            )));
+        }
+        if parent.is_empty() || parent == slice || seen.contains(parent.as_str()) {
+            return Err(invalid(format!(
+                "MIG slice {slice} names {parent:?} as its parent GPU, which is empty, itself, \
+                 or also used whole by the allocation"
+            )));
+        }
+    }
+    if let Some(share) = &spec.share {
+        if spec.gpus.len() != 1 {
+            return Err(invalid(format!(
+                "a share of a GPU names exactly one GPU, not {}",
+                spec.gpus.len()
+            )));
+        }
+        if !(1..MILLI_PER_GPU).contains(&share.milli) {
+            return Err(invalid(format!(
+                "a share of a GPU is 1 to {} milli, not {}",
+                MILLI_PER_GPU - 1,
+                share.milli
+            )));
+        }
+        if !spec.mig_parents.is_empty() {
+            return Err(invalid(
+                "a MIG slice cannot be shared: a share names a whole GPU".to_string(),
+            ));
+        }
+        if share.gpu_memory_mib > 0 && share.memory_mib > share.gpu_memory_mib {
+            return Err(invalid(format!(
+                "the share's GPU memory limit ({} MiB) exceeds the GPU's memory ({} MiB)",
+                share.memory_mib, share.gpu_memory_mib
+            )));
+        }
+    }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::types::GpuShare;
 
     fn spec(gpus: &[&str]) -> LaunchSpec {
         LaunchSpec {
@@ -153,6 +267,19 @@ mod tests {
             env: BTreeMap::new(),
             gpus: gpus.iter().map(|g| g.to_string()).collect(),
             time_limit: None,
+            share: None,
+            mig_parents: BTreeMap::new(),
+        }
+    }
+
+    fn share_spec(milli: u32, memory_mib: u64) -> LaunchSpec {
+        LaunchSpec {
+            share: Some(GpuShare {
+                milli,
+                memory_mib,
+                gpu_memory_mib: 81_559,
+            }),
+            ..spec(&["GPU-a"])
         }
     }
 
@@ -217,6 +344,160 @@ mod tests {
         assert_eq!(env["NCCL_DEBUG"], "INFO");
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-a");
         assert_eq!(env["GPUCP_TENANT"], "vision");
+    }
+
+    #[test]
+    fn a_share_gets_its_gpu_and_mps_limits() {
+        let env = command_env(&share_spec(250, 20_389), parent);
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-a");
+        assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
+        assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+        assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "GPU-a=20389M");
+        assert_eq!(env["GPUCP_GPU_MILLI"], "250");
+        assert_eq!(env["GPUCP_GPU_MEMORY_MIB"], "20389");
+
+        // No memory limit: no pinned-memory variable, the rest as before.
+        let env = command_env(&share_spec(500, 0), parent);
+        assert!(!env.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
+        assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
+        assert_eq!(env["GPUCP_GPU_MEMORY_MIB"], "0");
+    }
+
+    #[test]
+    fn thread_percentage_rounds_up_and_stays_within_100() {
+        let cases = [
+            (1, 1),
+            (9, 1),
+            (10, 1),
+            (11, 2),
+            (250, 25),
+            (333, 34),
+            (999, 100),
+        ];
+        for (milli, percent) in cases {
+            assert_eq!(active_thread_percentage(milli), percent, "{milli} milli");
+        }
+        assert_eq!(active_thread_percentage(1000), 100);
+        assert_eq!(active_thread_percentage(u32::MAX), 100);
+    }
+
+    #[test]
+    fn exclusive_gpus_get_no_share_variables_and_jobs_cannot_forge_them() {
+        let mut s = spec(&["GPU-a"]);
+        for key in [
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+            "GPUCP_GPU_MILLI",
+            "GPUCP_GPU_MEMORY_MIB",
+            "CUDA_MPS_PIPE_DIRECTORY",
+        ] {
+            s.env.insert(key.to_string(), "forged".to_string());
+        }
+        let env = command_env(&s, parent);
+        assert!(
+            !env.values().any(|v| v == "forged"),
+            "a job set a reserved variable: {env:?}"
+        );
+        assert!(!env.contains_key("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"));
+        assert!(!env.contains_key("GPUCP_GPU_MILLI"));
+
+        // A share cannot raise its own limits either.
+        let mut s = share_spec(100, 1000);
+        s.env.insert(
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_string(),
+            "100".to_string(),
+        );
+        s.env.insert(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(),
+            "0=80G".to_string(),
+        );
+        let env = command_env(&s, parent);
+        assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "10");
+        assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "GPU-a=1000M");
+    }
+
+    #[test]
+    fn the_hosts_mps_directories_come_from_the_agent() {
+        let host = |key: &str| match key {
+            "CUDA_MPS_PIPE_DIRECTORY" => Some("/run/nvidia-mps".to_string()),
+            "CUDA_MPS_LOG_DIRECTORY" => Some("/var/log/nvidia-mps".to_string()),
+            other => parent(other),
+        };
+        for s in [spec(&["GPU-a"]), share_spec(250, 100)] {
+            let env = command_env(&s, host);
+            assert_eq!(env["CUDA_MPS_PIPE_DIRECTORY"], "/run/nvidia-mps");
+            assert_eq!(env["CUDA_MPS_LOG_DIRECTORY"], "/var/log/nvidia-mps");
+        }
+        // Not set on the agent: not set for the job (CUDA uses its default).
+        assert!(
+            !command_env(&share_spec(250, 100), parent).contains_key("CUDA_MPS_PIPE_DIRECTORY")
+        );
+    }
+
+    #[test]
+    fn mig_slices_are_visible_by_their_own_uuids() {
+        let mut s = spec(&["MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000001"]);
+        s.mig_parents.insert(
+            "MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000001".to_string(),
+            "GPU-parent".to_string(),
+        );
+        assert!(validate_spec(&s).is_ok());
+        let env = command_env(&s, parent);
+        assert_eq!(
+            env["CUDA_VISIBLE_DEVICES"],
+            "MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000001"
+        );
+        assert_eq!(
+            env["NVIDIA_VISIBLE_DEVICES"],
+            "MIG-0f1e2d3c-aaaa-bbbb-cccc-000000000001"
+        );
+        assert!(!env.contains_key("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"));
+    }
+
+    #[test]
+    fn validation_rejects_impossible_shares_and_slices() {
+        assert!(validate_spec(&share_spec(1, 1)).is_ok());
+        assert!(validate_spec(&share_spec(999, 81_559)).is_ok());
+        for (what, bad) in [
+            ("0 milli", share_spec(0, 100)),
+            ("a whole GPU", share_spec(1000, 100)),
+            ("more memory than the GPU", share_spec(500, 81_560)),
+            (
+                "two GPUs",
+                LaunchSpec {
+                    gpus: vec!["GPU-a".into(), "GPU-b".into()],
+                    ..share_spec(500, 100)
+                },
+            ),
+            (
+                "no GPU",
+                LaunchSpec {
+                    gpus: Vec::new(),
+                    ..share_spec(500, 100)
+                },
+            ),
+            (
+                "a MIG slice",
+                LaunchSpec {
+                    mig_parents: BTreeMap::from([("GPU-a".into(), "GPU-p".into())]),
+                    ..share_spec(500, 100)
+                },
+            ),
+        ] {
+            assert!(validate_spec(&bad).is_err(), "{what} accepted");
+        }
+        let slice = |parent: &str| {
+            let mut s = spec(&["MIG-a", "GPU-b"]);
+            s.mig_parents.insert("MIG-a".into(), parent.into());
+            s
+        };
+        assert!(validate_spec(&slice("GPU-p")).is_ok());
+        assert!(validate_spec(&slice("GPU-b")).is_err(), "parent also whole");
+        assert!(validate_spec(&slice("")).is_err());
+        assert!(validate_spec(&slice("MIG-a")).is_err());
+        let mut s = spec(&["GPU-b"]);
+        s.mig_parents.insert("MIG-x".into(), "GPU-p".into());
+        assert!(validate_spec(&s).is_err(), "a parent for a GPU not listed");
     }
 
     #[test]

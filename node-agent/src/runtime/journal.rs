@@ -1,7 +1,8 @@
 //! The GPU usage journal: one JSON line per allocation start and observed exit, appended to
 //! `state_dir/gpu-usage.jsonl`, and the checker that proves from it that no GPU was used by
-//! two allocations at once on this host (invariant 1). Tests and chaos runs read it; the
-//! runtime never reads it back, so a damaged journal cannot affect scheduling.
+//! two allocations at once on this host, beyond what shares of a GPU allow (invariant 1;
+//! the rule is `ledger.rs`'s). Tests and chaos runs read it; the runtime never reads it back,
+//! so a damaged journal cannot affect scheduling.
 //!
 //! Lines are written in the order the runtime did things (one runtime per state directory,
 //! all operations through `&mut self`), and a `start` is written before the command is
@@ -17,14 +18,18 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::types::RuntimeError;
+use super::ledger::{GpuLedger, MILLI_PER_GPU};
+use super::types::{GpuShare, RuntimeError};
 
 /// One journal line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum UsageRecord {
     /// `{"event":"start","allocation":ID,"job":ID,"gpus":[...],"pid":P,"at_ms":T}`: written
-    /// before the command is released to run.
+    /// before the command is released to run. A share adds
+    /// `"share":{"milli":M,"memory_mib":MIB,"gpu_memory_mib":MIB}`, MIG slices add
+    /// `"mig_parents":{"MIG-...":"GPU-..."}`; lines without them (older agents, exclusive
+    /// GPUs) read as whole-GPU uses.
     Start {
         allocation: u64,
         job: u64,
@@ -32,6 +37,10 @@ pub enum UsageRecord {
         /// The shim's pid, which is also the process group id of the allocation.
         pid: u32,
         at_ms: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        share: Option<GpuShare>,
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        mig_parents: BTreeMap<String, String>,
     },
     /// `{"event":"stop","allocation":ID,"gpus":[...],"at_ms":T}`: written when the runtime
     /// has observed the exit and killed what was left of the process group.
@@ -90,56 +99,77 @@ pub fn read_usage_journal(path: &Path) -> Result<Vec<UsageRecord>, RuntimeError>
     Ok(records)
 }
 
-/// Verifies that no GPU is held by two allocations at overlapping times: replaying the
-/// records in order, a `start` must find each of its GPUs free (or held by nobody else), and
-/// an allocation must not start again while it runs (a second copy). Records of several hosts
-/// may be concatenated (GPU UUIDs are globally unique, so each GPU's history comes from one
-/// host, in that host's order). `Err` describes the first violation.
+/// Verifies that no GPU was used by two allocations at overlapping times, beyond what shares
+/// allow: replaying the records in order, each `start` must be allowed by the uses still
+/// running (`ledger.rs`: a whole GPU or MIG slice is one allocation's alone, a MIG slice never
+/// overlaps a whole-GPU use of its parent, shares of one GPU overlap only with shares and
+/// within 1000 milli and the GPU's memory), and an allocation must not start again while it
+/// runs (a second copy). Records of several hosts may be concatenated (GPU UUIDs are globally
+/// unique, so each GPU's history comes from one host, in that host's order). `Err` describes
+/// the first violation.
 pub fn check_no_overlap(records: &[UsageRecord]) -> Result<(), String> {
-    // GPU → (allocation, start time) of its current holder.
-    let mut holders: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    let mut ledger = GpuLedger::default();
     let mut running: BTreeSet<u64> = BTreeSet::new();
     for (index, record) in records.iter().enumerate() {
+        let line = index + 1;
         match record {
             UsageRecord::Start {
                 allocation,
                 gpus,
                 at_ms,
+                share,
+                mig_parents,
                 ..
             } => {
                 if !running.insert(*allocation) {
                     return Err(format!(
-                        "record {}: allocation {allocation} started at {at_ms} ms while an \
-                         earlier start of it had no stop (two copies)",
-                        index + 1
+                        "record {line}: allocation {allocation} started at {at_ms} ms while an \
+                         earlier start of it had no stop (two copies)"
                     ));
                 }
                 let mut seen = BTreeSet::new();
                 for gpu in gpus {
                     if !seen.insert(gpu.as_str()) {
                         return Err(format!(
-                            "record {}: allocation {allocation} lists GPU {gpu} twice",
-                            index + 1
+                            "record {line}: allocation {allocation} lists GPU {gpu} twice"
                         ));
                     }
-                    if let Some((holder, since)) = holders.get(gpu.as_str()) {
-                        return Err(format!(
-                            "record {}: GPU {gpu} used by allocation {allocation} from {at_ms} \
-                             ms while allocation {holder} held it (since {since} ms)",
-                            index + 1
-                        ));
-                    }
-                    holders.insert(gpu, (*allocation, *at_ms));
                 }
-            }
-            UsageRecord::Stop {
-                allocation, gpus, ..
-            } => {
-                running.remove(allocation);
-                for gpu in gpus {
-                    if holders.get(gpu.as_str()).map(|(a, _)| a) == Some(allocation) {
-                        holders.remove(gpu.as_str());
+                if let Some(share) = share {
+                    if gpus.len() != 1 || !mig_parents.is_empty() {
+                        return Err(format!(
+                            "record {line}: allocation {allocation} is a share but uses \
+                             {gpus:?} (a share uses exactly one whole GPU)"
+                        ));
                     }
+                    if share.milli == 0 || share.milli > MILLI_PER_GPU {
+                        return Err(format!(
+                            "record {line}: allocation {allocation} is a share of {} milli",
+                            share.milli
+                        ));
+                    }
+                }
+                ledger
+                    .claim(*allocation, *at_ms, gpus, share.as_ref(), mig_parents)
+                    .map_err(|c| {
+                        format!(
+                            "record {line}: GPU {} used by allocation {allocation} from \
+                             {at_ms} ms while allocation {} used it: {}",
+                            c.gpu,
+                            c.holders
+                                .iter()
+                                .map(u64::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", allocation "),
+                            c.reason
+                        )
+                    })?;
+            }
+            UsageRecord::Stop { allocation, .. } => {
+                // The uses the start recorded end; a stop of an allocation that does not run
+                // (written twice after a crash, or of another host) changes nothing.
+                if running.remove(allocation) {
+                    ledger.release(*allocation);
                 }
             }
         }
@@ -152,13 +182,58 @@ mod tests {
     use super::*;
 
     fn start(allocation: u64, gpus: &[&str], at_ms: u64) -> UsageRecord {
+        start_of(allocation, gpus, at_ms, None, BTreeMap::new())
+    }
+
+    fn start_of(
+        allocation: u64,
+        gpus: &[&str],
+        at_ms: u64,
+        share: Option<GpuShare>,
+        mig_parents: BTreeMap<String, String>,
+    ) -> UsageRecord {
         UsageRecord::Start {
             allocation,
             job: allocation * 10,
             gpus: gpus.iter().map(|g| g.to_string()).collect(),
             pid: 100,
             at_ms,
+            share,
+            mig_parents,
         }
+    }
+
+    /// GPU memory of the GPUs in these tests, MiB.
+    const GPU_MIB: u64 = 80_000;
+
+    /// A share of `milli` and `memory_mib` of `gpu` (whose memory is [`GPU_MIB`]).
+    fn share(allocation: u64, gpu: &str, milli: u32, memory_mib: u64, at_ms: u64) -> UsageRecord {
+        share_of(allocation, &[gpu], milli, memory_mib, at_ms)
+    }
+
+    fn share_of(
+        allocation: u64,
+        gpus: &[&str],
+        milli: u32,
+        memory_mib: u64,
+        at_ms: u64,
+    ) -> UsageRecord {
+        let share = GpuShare {
+            milli,
+            memory_mib,
+            gpu_memory_mib: GPU_MIB,
+        };
+        start_of(allocation, gpus, at_ms, Some(share), BTreeMap::new())
+    }
+
+    /// A start on MIG slices `(slice, parent)`.
+    fn slices(allocation: u64, slices: &[(&str, &str)], at_ms: u64) -> UsageRecord {
+        let gpus: Vec<&str> = slices.iter().map(|(s, _)| *s).collect();
+        let parents = slices
+            .iter()
+            .map(|(s, p)| (s.to_string(), p.to_string()))
+            .collect();
+        start_of(allocation, &gpus, at_ms, None, parents)
     }
 
     fn stop(allocation: u64, gpus: &[&str], at_ms: u64) -> UsageRecord {
@@ -226,6 +301,367 @@ mod tests {
     fn finds_a_second_copy_of_an_allocation() {
         let history = vec![start(1, &[], 1), start(1, &[], 2)];
         assert!(check_no_overlap(&history).is_err());
+    }
+
+    /// (what, history, Ok or the words the error must contain)
+    type Case = (
+        &'static str,
+        Vec<UsageRecord>,
+        Result<(), &'static [&'static str]>,
+    );
+
+    #[test]
+    fn shares_slices_and_whole_gpus() {
+        let g = "GPU-a";
+        let cases: Vec<Case> = vec![
+            (
+                "four shares of 250 milli at once",
+                vec![
+                    share(1, g, 250, 20_000, 1),
+                    share(2, g, 250, 20_000, 2),
+                    share(3, g, 250, 20_000, 3),
+                    share(4, g, 250, 20_000, 4),
+                ],
+                Ok(()),
+            ),
+            (
+                "600 + 400 milli is exactly one GPU",
+                vec![share(1, g, 600, 100, 1), share(2, g, 400, 100, 2)],
+                Ok(()),
+            ),
+            (
+                "a fifth share of 250 milli",
+                vec![
+                    share(1, g, 250, 100, 1),
+                    share(2, g, 250, 100, 2),
+                    share(3, g, 250, 100, 3),
+                    share(4, g, 250, 100, 4),
+                    share(5, g, 250, 100, 5),
+                ],
+                Err(&["record 5", "allocation 5", "1000 milli", "allocation 1"]),
+            ),
+            (
+                "600 + 500 milli",
+                vec![share(1, g, 600, 100, 1), share(2, g, 500, 100, 2)],
+                Err(&[
+                    "GPU-a",
+                    "allocation 2",
+                    "allocation 1",
+                    "600 of its 1000 milli",
+                ]),
+            ),
+            (
+                "shares whose memory exceeds the GPU's",
+                vec![share(1, g, 300, 50_000, 1), share(2, g, 300, 30_001, 2)],
+                Err(&["GPU-a", "50000 MiB", "80000 MiB"]),
+            ),
+            (
+                "shares whose memory fills the GPU exactly",
+                vec![share(1, g, 300, 50_000, 1), share(2, g, 300, 30_000, 2)],
+                Ok(()),
+            ),
+            (
+                "a share on a GPU used whole",
+                vec![start(1, &[g], 1), share(2, g, 100, 100, 2)],
+                Err(&["GPU-a", "allocation 2", "allocation 1"]),
+            ),
+            (
+                "a whole-GPU use of a shared GPU",
+                vec![share(1, g, 100, 100, 1), start(2, &["GPU-b", g], 2)],
+                Err(&["GPU-a", "allocation 2", "allocation 1", "shared"]),
+            ),
+            (
+                "shares of two GPUs do not add up",
+                vec![share(1, g, 600, 100, 1), share(2, "GPU-b", 600, 100, 2)],
+                Ok(()),
+            ),
+            (
+                "sequential uses: whole, shares, whole again",
+                vec![
+                    start(1, &[g], 1),
+                    stop(1, &[g], 2),
+                    share(2, g, 600, 100, 2),
+                    share(3, g, 400, 100, 3),
+                    stop(2, &[g], 4),
+                    // 400 still held: 500 more fit now that the 600 ended.
+                    share(4, g, 500, 100, 5),
+                    stop(3, &[g], 6),
+                    stop(4, &[g], 7),
+                    start(5, &[g], 8),
+                ],
+                Ok(()),
+            ),
+            (
+                "600, then 500 after the 600 ended",
+                vec![
+                    share(1, g, 600, 100, 1),
+                    stop(1, &[g], 2),
+                    share(2, g, 500, 100, 3),
+                ],
+                Ok(()),
+            ),
+            (
+                "a stop of an allocation that is not running frees no share",
+                vec![
+                    share(1, g, 600, 100, 1),
+                    stop(9, &[g], 2),
+                    share(2, g, 500, 100, 3),
+                ],
+                Err(&["allocation 1"]),
+            ),
+            (
+                "a whole GPU before every share ended",
+                vec![
+                    share(1, g, 300, 100, 1),
+                    share(2, g, 300, 100, 2),
+                    stop(1, &[g], 3),
+                    start(3, &[g], 4),
+                ],
+                Err(&["allocation 3", "allocation 2"]),
+            ),
+            (
+                "two MIG slices of one GPU at once",
+                vec![
+                    slices(1, &[("MIG-1", "GPU-m")], 1),
+                    slices(2, &[("MIG-2", "GPU-m")], 2),
+                    slices(3, &[("MIG-3", "GPU-m"), ("MIG-4", "GPU-m")], 3),
+                ],
+                Ok(()),
+            ),
+            (
+                "one MIG slice twice",
+                vec![
+                    slices(1, &[("MIG-1", "GPU-m")], 1),
+                    slices(2, &[("MIG-1", "GPU-m")], 2),
+                ],
+                Err(&["MIG-1", "allocation 2", "allocation 1"]),
+            ),
+            (
+                "a MIG slice of a GPU used whole",
+                vec![start(1, &["GPU-m"], 1), slices(2, &[("MIG-1", "GPU-m")], 2)],
+                Err(&["MIG-1", "GPU-m", "allocation 1"]),
+            ),
+            (
+                "a whole-GPU use of a GPU with a MIG slice in use",
+                vec![slices(1, &[("MIG-1", "GPU-m")], 1), start(2, &["GPU-m"], 2)],
+                Err(&["GPU-m", "allocation 1", "MIG-1"]),
+            ),
+            (
+                "a share of a GPU with a MIG slice in use",
+                vec![
+                    slices(1, &[("MIG-1", "GPU-m")], 1),
+                    share(2, "GPU-m", 100, 100, 2),
+                ],
+                Err(&["GPU-m", "allocation 1"]),
+            ),
+            (
+                "a MIG slice of a shared GPU",
+                vec![
+                    share(1, "GPU-m", 100, 100, 1),
+                    slices(2, &[("MIG-1", "GPU-m")], 2),
+                ],
+                Err(&["MIG-1", "GPU-m", "allocation 1"]),
+            ),
+            (
+                "a MIG slice used as a whole GPU by a record that lacks its parent",
+                vec![slices(1, &[("MIG-1", "GPU-m")], 1), start(2, &["MIG-1"], 2)],
+                Err(&["MIG-1", "allocation 1"]),
+            ),
+            (
+                "slices after the whole GPU ended, and the whole GPU after the slices",
+                vec![
+                    start(1, &["GPU-m"], 1),
+                    stop(1, &["GPU-m"], 2),
+                    slices(2, &[("MIG-1", "GPU-m"), ("MIG-2", "GPU-m")], 3),
+                    slices(3, &[("MIG-3", "GPU-m")], 3),
+                    stop(2, &["MIG-1", "MIG-2"], 4),
+                    stop(3, &["MIG-3"], 5),
+                    start(4, &["GPU-m"], 6),
+                ],
+                Ok(()),
+            ),
+            (
+                "a share naming two GPUs",
+                vec![share_of(1, &["GPU-a", "GPU-b"], 100, 100, 1)],
+                Err(&["share", "exactly one"]),
+            ),
+            (
+                "a share of 0 milli",
+                vec![share(1, g, 0, 100, 1)],
+                Err(&["0 milli"]),
+            ),
+            (
+                "a share of more than a GPU",
+                vec![share(1, g, 1001, 100, 1)],
+                Err(&["1001 milli"]),
+            ),
+        ];
+        for (what, history, want) in cases {
+            match (check_no_overlap(&history), want) {
+                (Ok(()), Ok(())) => {}
+                (Err(err), Err(words)) => {
+                    for word in words {
+                        assert!(err.contains(word), "{what}: `{err}` lacks `{word}`");
+                    }
+                }
+                (got, want) => panic!("{what}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn share_and_slice_lines_round_trip_and_old_lines_read_as_whole_gpus() {
+        let json = serde_json::to_string(&share(1, "GPU-a", 250, 20_389, 5)).expect("encode");
+        assert_eq!(
+            json,
+            r#"{"event":"start","allocation":1,"job":10,"gpus":["GPU-a"],"pid":100,"at_ms":5,"share":{"milli":250,"memory_mib":20389,"gpu_memory_mib":80000}}"#
+        );
+        let json = serde_json::to_string(&slices(2, &[("MIG-1", "GPU-m")], 5)).expect("encode");
+        assert_eq!(
+            json,
+            r#"{"event":"start","allocation":2,"job":20,"gpus":["MIG-1"],"pid":100,"at_ms":5,"mig_parents":{"MIG-1":"GPU-m"}}"#
+        );
+        for record in [
+            share(1, "GPU-a", 250, 20_389, 5),
+            slices(2, &[("MIG-1", "GPU-m")], 5),
+        ] {
+            let json = serde_json::to_string(&record).expect("encode");
+            assert_eq!(
+                serde_json::from_str::<UsageRecord>(&json).expect("decode"),
+                record
+            );
+        }
+        let old =
+            r#"{"event":"start","allocation":1,"job":10,"gpus":["GPU-a"],"pid":100,"at_ms":5}"#;
+        assert_eq!(
+            serde_json::from_str::<UsageRecord>(old).expect("decode"),
+            start(1, &["GPU-a"], 5)
+        );
+    }
+
+    /// One use in a generated history: what the reference rule below needs to know.
+    #[derive(Debug, Clone)]
+    enum Use {
+        Whole(Vec<&'static str>),
+        Share(&'static str, u32, u64),
+        Slices(Vec<(&'static str, &'static str)>),
+    }
+
+    /// The overlap rule stated directly over the uses that run when a start comes, pair by
+    /// pair and sum by sum, without the ledger: the model `check_no_overlap` must agree with.
+    fn reference_allows(running: &[(u64, Use)], allocation: u64, new: &Use) -> bool {
+        if running.iter().any(|(a, _)| *a == allocation) {
+            return false;
+        }
+        // (device UUID, physical GPU, kind) of every device a use names.
+        #[derive(PartialEq)]
+        enum Kind {
+            Whole,
+            Share,
+            Slice,
+        }
+        let devices = |u: &Use| -> Vec<(&'static str, &'static str, Kind)> {
+            match u {
+                Use::Whole(gpus) => gpus.iter().map(|g| (*g, *g, Kind::Whole)).collect(),
+                Use::Share(g, _, _) => vec![(*g, *g, Kind::Share)],
+                Use::Slices(s) => s.iter().map(|(s, p)| (*s, *p, Kind::Slice)).collect(),
+            }
+        };
+        let mine = devices(new);
+        for (i, (d, _, _)) in mine.iter().enumerate() {
+            if mine[..i].iter().any(|(e, _, _)| e == d) {
+                return false;
+            }
+        }
+        for (_, other) in running {
+            for (d, dp, dk) in &mine {
+                for (e, ep, ek) in devices(other) {
+                    let conflict = if *d == e {
+                        !(*dk == Kind::Share && ek == Kind::Share)
+                    } else if *dp == ep || *d == ep || e == *dp {
+                        // Different devices of one physical GPU: only slices coexist.
+                        !(*dk == Kind::Slice && ek == Kind::Slice)
+                    } else {
+                        false
+                    };
+                    if conflict {
+                        return false;
+                    }
+                }
+            }
+        }
+        if let Use::Share(g, milli, memory) = new {
+            let (mut m, mut mem) = (*milli, *memory);
+            for (_, other) in running {
+                if let Use::Share(h, milli, memory) = other
+                    && h == g
+                {
+                    m += milli;
+                    mem += memory;
+                }
+            }
+            if m > MILLI_PER_GPU || mem > GPU_MIB {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn record_of(allocation: u64, u: &Use) -> UsageRecord {
+        match u {
+            Use::Whole(gpus) => start(allocation, gpus, allocation),
+            Use::Share(g, milli, memory) => share(allocation, g, *milli, *memory, allocation),
+            Use::Slices(s) => slices(allocation, s, allocation),
+        }
+    }
+
+    fn a_use() -> impl proptest::strategy::Strategy<Value = Use> {
+        use proptest::prelude::*;
+        // GPU-0 has MIG slices MIG-0a and MIG-0b; GPU-1 is only ever used whole or shared.
+        let gpu = prop_oneof![Just("GPU-0"), Just("GPU-1")];
+        prop_oneof![
+            proptest::sample::subsequence(vec!["GPU-0", "GPU-1"], 1..=2).prop_map(Use::Whole),
+            (
+                gpu,
+                proptest::sample::select(vec![100u32, 250, 400, 500, 600, 750, 999]),
+                proptest::sample::select(vec![10_000u64, 20_000, 40_000, 60_000]),
+            )
+                .prop_map(|(g, m, mem)| Use::Share(g, m, mem)),
+            proptest::sample::subsequence(vec![("MIG-0a", "GPU-0"), ("MIG-0b", "GPU-0")], 1..=2)
+                .prop_map(Use::Slices),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Random histories of starts and stops over two GPUs, one of them with MIG slices:
+        /// the checker accepts exactly the histories the reference rule allows.
+        #[test]
+        fn the_checker_agrees_with_the_rule_stated_pairwise(
+            steps in proptest::collection::vec((a_use(), 0u8..3), 1..16)
+        ) {
+            let mut records = Vec::new();
+            let mut running: Vec<(u64, Use)> = Vec::new();
+            let mut allowed = true;
+            for (i, (u, action)) in steps.into_iter().enumerate() {
+                // Stop the oldest running allocation one time in three, else start a new one.
+                if action == 0 && !running.is_empty() {
+                    let (a, _) = running.remove(0);
+                    records.push(stop(a, &[], 0));
+                    continue;
+                }
+                let allocation = i as u64 + 1;
+                if !reference_allows(&running, allocation, &u) {
+                    allowed = false;
+                }
+                records.push(record_of(allocation, &u));
+                running.push((allocation, u));
+                if !allowed {
+                    break;
+                }
+            }
+            let got = check_no_overlap(&records);
+            proptest::prop_assert_eq!(got.is_ok(), allowed, "{:?}\n{:#?}", got, records);
+        }
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The workload runtime: launches each allocation's command with exactly its GPUs visible,
 //! supervises it, stops it (SIGTERM, then SIGKILL after a grace), enforces its time limit,
 //! and re-adopts running processes after an agent restart, so a restart never starts a
-//! second copy (invariant 3) and two allocations never use one GPU (invariant 1).
+//! second copy (invariant 3) and two allocations never use one GPU beyond what shares of it
+//! allow (invariant 1).
 //!
 //! Files:
 //! - `types.rs`: the public data types ([`LaunchSpec`], [`ExitKind`], [`RuntimeEvent`],
@@ -11,6 +12,8 @@
 //! - `record.rs`: the on-disk layout and records, and exit classification;
 //! - `env.rs`: the command's environment ([`command_env`]) and spec validation;
 //! - `journal.rs`: the GPU usage journal and its overlap checker;
+//! - `ledger.rs`: the rule both the launch check and the checker apply: whole GPUs, shares of a
+//!   GPU (CUDA MPS) and MIG slices, and which of them may overlap;
 //! - `process.rs`: `/proc`, signal and `waitpid` helpers.
 //!
 //! Process model: `agent ─spawn→ shim (session + process group leader) ─spawn→ command`.
@@ -19,17 +22,22 @@
 
 mod env;
 mod journal;
+mod ledger;
 pub(crate) mod process;
 mod record;
 mod shim;
 mod supervisor;
 mod types;
 
-pub use env::{DEFAULT_PATH, INHERITED_ENV, RESERVED_ENV, command_env, validate_spec};
+pub use env::{
+    DEFAULT_PATH, HOST_MPS_ENV, INHERITED_ENV, RESERVED_ENV, active_thread_percentage, command_env,
+    validate_spec,
+};
 pub use journal::{UsageRecord, check_no_overlap, read_usage_journal};
+pub use ledger::MILLI_PER_GPU;
 pub use shim::shim_main;
 pub use supervisor::Runtime;
 pub use types::{
-    DEFAULT_FENCE_GRACE, DEFAULT_STOP_GRACE, ExitKind, LaunchSpec, RuntimeConfig, RuntimeError,
-    RuntimeEvent, StopReason,
+    DEFAULT_FENCE_GRACE, DEFAULT_STOP_GRACE, ExitKind, GpuShare, LaunchSpec, RuntimeConfig,
+    RuntimeError, RuntimeEvent, StopReason,
 };

@@ -385,6 +385,8 @@ mod tests {
             env: BTreeMap::from([("TOKEN".to_string(), "x".to_string())]),
             gpus: vec!["GPU-1".to_string()],
             time_limit: Some(Duration::from_millis(1500)),
+            share: None,
+            mig_parents: BTreeMap::new(),
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = Some(4242);
@@ -409,6 +411,40 @@ mod tests {
         let json = serde_json::to_string(&r).expect("encode");
         let back: AllocationRecord = serde_json::from_str(&json).expect("decode");
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn shares_and_slices_round_trip_and_records_without_them_still_load() {
+        let mut r = record();
+        r.spec.share = Some(crate::runtime::types::GpuShare {
+            milli: 250,
+            memory_mib: 20_389,
+            gpu_memory_mib: 81_559,
+        });
+        let json = serde_json::to_string(&r).expect("encode");
+        assert_eq!(
+            serde_json::from_str::<AllocationRecord>(&json).expect("decode"),
+            r
+        );
+        let mut r = record();
+        r.spec.gpus = vec!["MIG-1".to_string()];
+        r.spec.mig_parents = BTreeMap::from([("MIG-1".to_string(), "GPU-1".to_string())]);
+        let json = serde_json::to_string(&r).expect("encode");
+        assert_eq!(
+            serde_json::from_str::<AllocationRecord>(&json).expect("decode"),
+            r
+        );
+
+        // What an agent before shares wrote: no `share`, no `mig_parents`.
+        let json = serde_json::to_string(&record()).expect("encode");
+        assert!(
+            !json.contains("share") && !json.contains("mig_parents"),
+            "{json}"
+        );
+        assert_eq!(
+            serde_json::from_str::<AllocationRecord>(&json).expect("decode"),
+            record()
+        );
     }
 
     #[test]

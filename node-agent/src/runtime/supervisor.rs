@@ -8,7 +8,7 @@
 //! runs; once it does not, the exit file says how the command ended. Our own children are
 //! additionally reaped with `waitpid(WNOHANG)` so they do not stay zombies.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use super::env::{command_env, validate_spec};
 use super::journal::{UsageRecord, append_usage};
+use super::ledger::GpuLedger;
 use super::process::{Probe, Reap, now_ms, probe, read_stat, signal_group, try_reap};
 use super::record::{
     AllocationRecord, Layout, RecordedExit, ShimFate, StopRequest, classify, load_records,
@@ -115,9 +116,10 @@ impl Runtime {
     }
 
     /// Starts an allocation's command under a new shim. Refuses an allocation id the runtime
-    /// already knows (running, or exited and not forgotten) and GPUs held by another live
-    /// allocation: whatever the control plane believes, this host never runs two copies of
-    /// an allocation or two allocations on one GPU.
+    /// already knows (running, or exited and not forgotten) and GPUs the live allocations do
+    /// not leave free for it ([`Runtime::check_gpus_free`]): whatever the control plane
+    /// believes, this host never runs two copies of an allocation, two allocations on one GPU
+    /// (beyond shares that fit together), or a MIG slice beside a whole-GPU use of its parent.
     ///
     /// Order of effects, so that a crash at any point leaves no untracked process: write the
     /// launch record; spawn the shim, which waits; record its pid and start time; journal the
@@ -128,18 +130,7 @@ impl Runtime {
         if self.entries.contains_key(&id) || self.layout.record(id).exists() {
             return Err(RuntimeError::AlreadyKnown(id));
         }
-        let in_use = self.gpus_in_use();
-        if let Some((gpu, holder)) = spec
-            .gpus
-            .iter()
-            .find_map(|g| in_use.get(g).map(|h| (g, *h)))
-        {
-            return Err(RuntimeError::GpuBusy {
-                gpu: gpu.clone(),
-                holder,
-                allocation: id,
-            });
-        }
+        self.check_gpus_free(&spec)?;
 
         let log_dir = self.layout.log_dir(id);
         fs::create_dir_all(&log_dir).map_err(|source| RuntimeError::Io {
@@ -227,6 +218,8 @@ impl Runtime {
                     gpus: record.spec.gpus.clone(),
                     pid,
                     at_ms: record.started_at_ms,
+                    share: record.spec.share,
+                    mig_parents: record.spec.mig_parents.clone(),
                 },
             )?;
             let mut go = child
@@ -300,17 +293,103 @@ impl Runtime {
             .collect()
     }
 
-    /// GPU UUID → live allocation holding it on this host.
-    pub fn gpus_in_use(&self) -> BTreeMap<String, u64> {
-        let mut in_use = BTreeMap::new();
+    /// GPU (or MIG slice) UUID → the live allocations using it on this host, in id order:
+    /// one for a whole GPU or a slice, one or more for a shared GPU.
+    pub fn gpus_in_use(&self) -> BTreeMap<String, Vec<u64>> {
+        let mut in_use: BTreeMap<String, Vec<u64>> = BTreeMap::new();
         for (id, entry) in &self.entries {
             if entry.record.is_live() {
                 for gpu in &entry.record.spec.gpus {
-                    in_use.insert(gpu.clone(), *id);
+                    in_use.entry(gpu.clone()).or_default().push(*id);
                 }
             }
         }
         in_use
+    }
+
+    /// The live allocations a fault of GPU `uuid` hits: those using it whole, its shares,
+    /// and those on any of its MIG slices (or, for a slice UUID, the one holding it). In id
+    /// order.
+    pub fn allocations_on(&self, uuid: &str) -> Vec<u64> {
+        let (ledger, stray) = self.ledger();
+        let mut users = ledger.users_of(uuid);
+        users.extend(
+            stray
+                .iter()
+                .filter(|(_, devices)| devices.contains(uuid))
+                .map(|(id, _)| *id),
+        );
+        users.sort_unstable();
+        users.dedup();
+        users
+    }
+
+    /// Whether `spec`'s GPUs are free for it now, given the live allocations: `Err(GpuBusy)`
+    /// names one allocation in the way and why (`Err(InvalidSpec)` if the spec cannot be
+    /// launched at all). The rule is the usage journal's (see `ledger.rs`); the agent also
+    /// uses this to defer a launch until a stopping allocation has released its GPU.
+    pub fn check_gpus_free(&self, spec: &LaunchSpec) -> Result<(), RuntimeError> {
+        validate_spec(spec)?;
+        let (mut ledger, stray) = self.ledger();
+        let busy = |gpu: &str, holder: u64, reason: String| RuntimeError::GpuBusy {
+            gpu: gpu.to_string(),
+            holder,
+            allocation: spec.allocation_id,
+            reason,
+        };
+        for (id, devices) in &stray {
+            if let Some(gpu) = devices_of(spec).into_iter().find(|d| devices.contains(d)) {
+                return Err(busy(
+                    &gpu,
+                    *id,
+                    "that allocation's record overlaps another live one; nothing starts on \
+                     its GPUs until it ends"
+                        .to_string(),
+                ));
+            }
+        }
+        ledger
+            .claim(
+                spec.allocation_id,
+                now_ms(),
+                &spec.gpus,
+                spec.share.as_ref(),
+                &spec.mig_parents,
+            )
+            .map_err(|c| {
+                busy(
+                    &c.gpu,
+                    c.holders.first().copied().unwrap_or(spec.allocation_id),
+                    c.reason,
+                )
+            })
+    }
+
+    /// The GPU uses of every live allocation, and the allocations whose uses the ledger
+    /// refused, with every device they name. Live allocations were admitted one by one
+    /// through the same rule, so the second list is empty unless records on disk were edited
+    /// or written under another rule; its allocations still block their devices.
+    fn ledger(&self) -> (GpuLedger, Vec<(u64, BTreeSet<String>)>) {
+        let mut ledger = GpuLedger::default();
+        let mut stray = Vec::new();
+        for (id, entry) in &self.entries {
+            let record = &entry.record;
+            if !record.is_live() {
+                continue;
+            }
+            let spec = &record.spec;
+            if let Err(c) = ledger.claim(
+                *id,
+                record.started_at_ms,
+                &spec.gpus,
+                spec.share.as_ref(),
+                &spec.mig_parents,
+            ) {
+                tracing::error!(allocation = id, gpu = %c.gpu, reason = %c.reason, "live allocations overlap on a GPU");
+                stray.push((*id, devices_of(spec)));
+            }
+        }
+        (ledger, stray)
     }
 
     /// The shim's pid (= process group id) of a live allocation. Addition to the brief: lets
@@ -578,6 +657,15 @@ impl Runtime {
     }
 }
 
+/// Every device UUID a spec touches: its GPUs and slices, and the parents of its slices.
+fn devices_of(spec: &LaunchSpec) -> BTreeSet<String> {
+    spec.gpus
+        .iter()
+        .chain(spec.mig_parents.values())
+        .cloned()
+        .collect()
+}
+
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -662,6 +750,8 @@ mod tests {
             env: BTreeMap::new(),
             gpus: gpus.iter().map(|g| g.to_string()).collect(),
             time_limit: None,
+            share: None,
+            mig_parents: BTreeMap::new(),
         }
     }
 

@@ -40,6 +40,30 @@ pub struct LaunchSpec {
     /// Wall-clock limit counted from the moment the command was started; when it passes the
     /// runtime stops the process group and reports [`ExitKind::TimedOut`].
     pub time_limit: Option<Duration>,
+    /// `Some` for a share of one GPU (`gpus` then names exactly that GPU, which other shares
+    /// may use at the same time); `None` when the GPUs are the allocation's alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<GpuShare>,
+    /// MIG slice UUID → UUID of the GPU it is a slice of, for every entry of `gpus` that is a
+    /// MIG slice. A slice is a unit of its own, but never in use while its parent GPU is used
+    /// whole (see `ledger.rs`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mig_parents: BTreeMap<String, String>,
+}
+
+/// A share of one GPU, used through CUDA MPS: a fraction of its compute and a limit on its
+/// memory. Shares of one GPU never hold more than 1000 milli together, nor more than its
+/// memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuShare {
+    /// Milli-GPU, 1..=999: the share of the GPU's compute (streaming multiprocessors).
+    pub milli: u32,
+    /// GPU memory the share may use, MiB (0: no limit).
+    pub memory_mib: u64,
+    /// Total memory of the GPU, MiB (0: unknown), so that the runtime and the usage journal
+    /// can check that the shares of one GPU fit in it.
+    #[serde(default)]
+    pub gpu_memory_mib: u64,
 }
 
 /// Why the agent stops an allocation. Recorded with the stop request so that a restarted
@@ -146,13 +170,15 @@ pub enum RuntimeError {
     )]
     AlreadyKnown(u64),
     #[error(
-        "GPU {gpu} is in use by allocation {holder} on this host; refusing to start \
-         allocation {allocation} (the control plane's view of this host is stale)"
+        "GPU {gpu} is in use by allocation {holder} on this host ({reason}); refusing to \
+         start allocation {allocation} (the control plane's view of this host is stale)"
     )]
     GpuBusy {
         gpu: String,
+        /// One allocation in the way (the lowest id, when several are).
         holder: u64,
         allocation: u64,
+        reason: String,
     },
     #[error("allocation {0} is not known to this host's runtime")]
     Unknown(u64),

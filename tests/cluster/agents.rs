@@ -797,11 +797,7 @@ async fn four_quarter_shares_run_together_on_one_gpu_and_a_fifth_waits_for_one_t
     );
 }
 
-// The scheduler on this branch offers only whole GPUs, so a MIG job is never placed (apply
-// refuses a whole GPU for it) and stays pending. With a scheduler that offers slices the test
-// passed (checked with a throw-away patch to `scheduler/fit.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the share-aware scheduler from main"]
 async fn mig_jobs_see_their_own_slices_and_run_beside_each_other() {
     let c = start_with_agents(&[("m1", "h100-pcie-1gpu-mig")]).await;
     let mut client = c.client().unwrap();

@@ -185,6 +185,24 @@ impl DataDir {
 }
 
 fn open_sled(path: &Path) -> Result<sled::Db, String> {
+    // A handle of this process that was just dropped releases the file lock only when sled's
+    // background flusher thread exits, a moment later; another process holding it does not let
+    // go. So a lock conflict is retried for a short, bounded time before it is reported.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    loop {
+        match open_sled_once(path) {
+            Err(e) if e.contains("could not acquire lock") && std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) if e.contains("could not acquire lock") => {
+                return Err(format!("{e} (is another control-plane process using this data directory?)"));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn open_sled_once(path: &Path) -> Result<sled::Db, String> {
     let path = path.to_owned();
     // sled can panic instead of returning an error on some damaged files; either way the
     // directory is unusable and the operator gets the same message.

@@ -48,15 +48,26 @@ pub enum BenchCommand {
         /// Passes timed per case.
         #[arg(long, default_value_t = 5)]
         runs: usize,
+        /// Fleet states: empty (every job placed), half (half the GPUs in use), full (every
+        /// job blocked: reservation and preemption are computed).
+        #[arg(long, default_value = "empty,half,full", value_delimiter = ',')]
+        fleets: Vec<String>,
     },
 }
 
 pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
-    if let BenchCommand::Scheduler { hosts, jobs, runs } = command {
+    if let BenchCommand::Scheduler {
+        hosts,
+        jobs,
+        runs,
+        fleets,
+    } = command
+    {
         let (text, json) = super::bench_scheduler::run(super::bench_scheduler::Args {
             hosts,
             jobs,
             runs: runs.max(1),
+            fleets,
         })?;
         match fmt {
             Format::Json => println!("{json}"),

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use crate::scheduler::{Policy, plan_with};
+use crate::scheduler::{Policy, plan_with, plan_with_stats};
 use crate::state::{Command, Outcome};
 use crate::synthetic::{Driver, fleet, mixed_jobs, submit_all};
 
@@ -16,22 +16,51 @@ pub struct Args {
     pub hosts: Vec<usize>,
     pub jobs: Vec<usize>,
     pub runs: usize,
+    /// Which fleet states to measure: empty, half, full.
+    pub fleets: Vec<String>,
 }
 
-/// Places work until `fraction` of the GPUs are held (or nothing more fits).
+/// GPUs with anything on them (whole, shared or sliced).
+fn gpus_in_use(driver: &Driver) -> usize {
+    let s = &driver.state;
+    let whole_or_slice: usize = s
+        .gpu_holder
+        .keys()
+        .filter(|u| !u.starts_with("MIG-"))
+        .count();
+    whole_or_slice + s.index.gpu_shares.len()
+}
+
+/// Places work until `fraction` of the GPUs are in use (or nothing more fits). Filling uses a
+/// plain pass (no backfill, no preemption): it only needs a realistic mix of running work.
 fn fill(driver: &mut Driver, fraction: f64, seed: u64) -> anyhow::Result<()> {
     let total = driver.state.total_gpus() as f64;
-    let mut round = 0;
-    while (driver.state.gpu_holder.len() as f64) < total * fraction {
-        let jobs = mixed_jobs(2_000, seed + round, driver.state.last_job_id + 1);
+    let policy = Policy {
+        backfill: false,
+        preemption: false,
+        ..Policy::default()
+    };
+    for round in 0..64 {
+        if (gpus_in_use(driver) as f64) >= total * fraction {
+            break;
+        }
+        let batch = (total as usize / 4).clamp(500, 20_000);
+        let jobs = mixed_jobs(batch, seed + round, driver.state.last_job_id + 1);
         submit_all(driver, &jobs)?;
-        let plan = plan_with(&driver.state, driver.now, &Policy::default());
+        let plan = plan_with(
+            &driver.state,
+            driver.now,
+            &Policy {
+                backfill: true,
+                ..policy.clone()
+            },
+        );
         if plan.placements.is_empty() {
             break;
         }
         // Place only as much as the target needs, in queue order.
         let mut placements = Vec::new();
-        let mut held = driver.state.gpu_holder.len() as f64;
+        let mut held = gpus_in_use(driver) as f64;
         for p in plan.placements {
             if held >= total * fraction {
                 break;
@@ -51,7 +80,6 @@ fn fill(driver: &mut Driver, fraction: f64, seed: u64) -> anyhow::Result<()> {
         for id in pending {
             driver.apply(&Command::cancel(id, "bench fill"));
         }
-        round += 1;
     }
     Ok(())
 }
@@ -65,6 +93,9 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
     for &hosts in &args.hosts {
         for &jobs in &args.jobs {
             for (label, fraction) in [("empty", 0.0), ("half", 0.5), ("full", 1.0)] {
+                if !args.fleets.iter().any(|f| f == label) {
+                    continue;
+                }
                 let mut driver = Driver::new(1_700_000_000_000);
                 fleet(&mut driver, hosts)?;
                 if fraction > 0.0 {
@@ -74,16 +105,16 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                 driver.now += 10 * 60 * 1000;
                 let pending = mixed_jobs(jobs, 42, driver.state.last_job_id + 1);
                 submit_all(&mut driver, &pending)?;
-                let used = driver.state.gpu_holder.len() + driver.state.index.gpu_shares.len();
+                let used = gpus_in_use(&driver);
                 let mut times = Vec::with_capacity(args.runs);
                 let mut last = None;
                 for _ in 0..args.runs {
                     let started = Instant::now();
-                    let plan = plan_with(&driver.state, driver.now, &Policy::default());
+                    let result = plan_with_stats(&driver.state, driver.now, &Policy::default());
                     times.push(started.elapsed().as_secs_f64() * 1000.0);
-                    last = Some(plan);
+                    last = Some(result);
                 }
-                let plan = last.unwrap_or_default();
+                let (plan, stats) = last.unwrap_or_default();
                 times.sort_by(f64::total_cmp);
                 let (min, p50, max) = (times[0], times[times.len() / 2], times[times.len() - 1]);
                 text += &format!(
@@ -103,7 +134,9 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                     "placements": plan.placements.len(),
                     "reservation": plan.reservation.is_some(),
                     "preempted": plan.preemptions.iter().map(|p| p.victims.len()).sum::<usize>(),
+                    "last_pass_stages_us": stats,
                 }));
+                eprintln!("{hosts} hosts, {jobs} pending, {label}: {stats:?}");
             }
         }
     }

@@ -1,6 +1,5 @@
 //! Which GPUs a task should get inside a node: the best-connected free set by the link matrix.
 
-
 /// Rank of a link as `nvidia-smi topo -m` prints it: higher is better connected.
 pub fn link_rank(cell: &str) -> u32 {
     match cell {
@@ -17,10 +16,18 @@ pub fn link_rank(cell: &str) -> u32 {
     }
 }
 
+/// The link matrix as ranks, parsed once per host type and pass rather than per evaluation.
+pub fn rank_matrix(topology: &[Vec<String>]) -> Vec<Vec<u32>> {
+    topology
+        .iter()
+        .map(|row| row.iter().map(|c| link_rank(c)).collect())
+        .collect()
+}
+
 /// Picks `k` of the free GPU indexes whose weakest pairwise link is strongest (then the largest
 /// sum of link ranks): greedy growth from every start, which finds the NVLink quad on a DGX-1
 /// and an NVLink pair on a PCIe board. Without a matrix, the lowest indexes.
-pub fn best_gpu_set(topology: &[Vec<String>], free: &[u32], k: usize) -> Option<Vec<u32>> {
+pub fn best_gpu_set(ranks: &[Vec<u32>], free: &[u32], k: usize) -> Option<Vec<u32>> {
     if k == 0 {
         return Some(Vec::new());
     }
@@ -28,13 +35,13 @@ pub fn best_gpu_set(topology: &[Vec<String>], free: &[u32], k: usize) -> Option<
         return None;
     }
     let rank = |a: u32, b: u32| -> u32 {
-        topology
+        ranks
             .get(a as usize)
             .and_then(|row| row.get(b as usize))
-            .map(|c| link_rank(c))
+            .copied()
             .unwrap_or(0)
     };
-    if topology.is_empty() || k == 1 {
+    if ranks.is_empty() || k == 1 {
         let mut v = free.to_vec();
         v.sort_unstable();
         v.truncate(k);

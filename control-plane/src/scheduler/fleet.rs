@@ -7,24 +7,39 @@
 //! (`placement::Ranking`) replay, so they stay current without rescanning the fleet.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use super::fit::rank_matrix;
 
 use crate::state::{AllocationRecord, ClusterState, GpuHealth, Job, Node, NodeStatus};
 
 pub type NodeIdx = u32;
 pub type GroupId = u32;
 
-/// Free resources of one node.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// Most GPUs per node the scheduler handles (the state machine refuses larger nodes).
+pub const MAX_GPUS: usize = 16;
+/// MIG slices per GPU the free-slice mask has room for (MIG has at most 7 instances).
+pub const MAX_SLICES: usize = 8;
+
+/// Free resources of one node: a plain value (no heap), so copying and hashing it per
+/// placement stays cheap on large fleets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct NodeFree {
     pub cpu_milli: u64,
     pub memory_mib: u64,
+    /// GPUs on the node: the used prefix of the arrays below.
+    pub gpus: u8,
     /// Free milli per GPU position: 1000 = whole GPU free; 0 for a held, unhealthy or MIG-mode
     /// GPU.
-    pub gpu_milli: Vec<u32>,
+    pub gpu_milli: [u32; MAX_GPUS],
     /// Free GPU memory per position (what shares may still claim).
-    pub gpu_memory_mib: Vec<u64>,
-    /// Free MIG slices as (GPU position, slice position), sorted.
-    pub mig_free: Vec<(u8, u8)>,
+    pub gpu_memory_mib: [u64; MAX_GPUS],
+    /// Free MIG slices: bit `gpu * MAX_SLICES + slice`.
+    pub mig_free: u128,
+}
+
+fn slice_bit(gpu: u8, slice: u8) -> u128 {
+    1u128 << (gpu as usize * MAX_SLICES + slice as usize)
 }
 
 impl NodeFree {
@@ -33,22 +48,47 @@ impl NodeFree {
         let mut free = NodeFree {
             cpu_milli: node.spec.cpu_milli,
             memory_mib: node.spec.memory_mib,
-            gpu_milli: Vec::with_capacity(node.spec.gpus.len()),
-            gpu_memory_mib: Vec::with_capacity(node.spec.gpus.len()),
-            mig_free: Vec::new(),
+            gpus: node.spec.gpus.len().min(MAX_GPUS) as u8,
+            gpu_milli: [0; MAX_GPUS],
+            gpu_memory_mib: [0; MAX_GPUS],
+            mig_free: 0,
         };
-        for (pos, g) in node.spec.gpus.iter().enumerate() {
+        for (pos, g) in node.spec.gpus.iter().enumerate().take(MAX_GPUS) {
             let healthy = g.health == GpuHealth::Healthy;
             let whole = healthy && g.mig.is_empty();
-            free.gpu_milli.push(if whole { 1000 } else { 0 });
-            free.gpu_memory_mib.push(if whole { g.memory_mib } else { 0 });
+            if whole {
+                free.gpu_milli[pos] = 1000;
+                free.gpu_memory_mib[pos] = g.memory_mib;
+            }
             if healthy {
-                for s in 0..g.mig.len() {
-                    free.mig_free.push((pos as u8, s as u8));
+                for s in 0..g.mig.len().min(MAX_SLICES) {
+                    free.mig_free |= slice_bit(pos as u8, s as u8);
                 }
             }
         }
         free
+    }
+
+    /// Free milli of the node's GPUs, by position.
+    pub fn milli(&self) -> &[u32] {
+        &self.gpu_milli[..self.gpus as usize]
+    }
+
+    /// Free MIG slices as (GPU position, slice position), in order.
+    pub fn slices(&self) -> impl Iterator<Item = (u8, u8)> + '_ {
+        (0..self.gpus).flat_map(move |g| {
+            (0..MAX_SLICES as u8)
+                .filter(move |s| self.mig_free & slice_bit(g, *s) != 0)
+                .map(move |s| (g, s))
+        })
+    }
+
+    pub fn take_slice(&mut self, gpu: u8, slice: u8) {
+        self.mig_free &= !slice_bit(gpu, slice);
+    }
+
+    pub fn give_slice(&mut self, gpu: u8, slice: u8) {
+        self.mig_free |= slice_bit(gpu, slice);
     }
 
     /// Takes away what one live allocation holds.
@@ -69,6 +109,9 @@ impl NodeFree {
         let a = &rec.allocation;
         for uuid in &a.gpus {
             if let Some(pos) = node.spec.gpus.iter().position(|g| &g.uuid == uuid) {
+                if pos >= MAX_GPUS {
+                    continue;
+                }
                 let healthy = node.spec.gpus[pos].health == GpuHealth::Healthy;
                 if a.gpu_milli > 0 {
                     if give_back {
@@ -98,15 +141,14 @@ impl NodeFree {
                     .position(|m| &m.uuid == uuid)
                     .map(|s| (p as u8, s as u8))
             });
-            if let Some(slice) = slice {
-                if give_back {
-                    if node.spec.gpus[slice.0 as usize].health == GpuHealth::Healthy
-                        && let Err(at) = self.mig_free.binary_search(&slice)
-                    {
-                        self.mig_free.insert(at, slice);
-                    }
-                } else if let Ok(at) = self.mig_free.binary_search(&slice) {
-                    self.mig_free.remove(at);
+            if let Some((g, s)) = slice
+                && (g as usize) < MAX_GPUS
+                && (s as usize) < MAX_SLICES
+            {
+                if !give_back {
+                    self.take_slice(g, s);
+                } else if node.spec.gpus[g as usize].health == GpuHealth::Healthy {
+                    self.give_slice(g, s);
                 }
             }
         }
@@ -114,28 +156,15 @@ impl NodeFree {
 
     /// Elementwise minimum: what is free both now and in `other`.
     pub fn min(&self, other: &NodeFree) -> NodeFree {
-        NodeFree {
-            cpu_milli: self.cpu_milli.min(other.cpu_milli),
-            memory_mib: self.memory_mib.min(other.memory_mib),
-            gpu_milli: self
-                .gpu_milli
-                .iter()
-                .zip(&other.gpu_milli)
-                .map(|(a, b)| *a.min(b))
-                .collect(),
-            gpu_memory_mib: self
-                .gpu_memory_mib
-                .iter()
-                .zip(&other.gpu_memory_mib)
-                .map(|(a, b)| *a.min(b))
-                .collect(),
-            mig_free: self
-                .mig_free
-                .iter()
-                .filter(|s| other.mig_free.binary_search(s).is_ok())
-                .copied()
-                .collect(),
+        let mut m = *self;
+        m.cpu_milli = self.cpu_milli.min(other.cpu_milli);
+        m.memory_mib = self.memory_mib.min(other.memory_mib);
+        for i in 0..MAX_GPUS {
+            m.gpu_milli[i] = self.gpu_milli[i].min(other.gpu_milli[i]);
+            m.gpu_memory_mib[i] = self.gpu_memory_mib[i].min(other.gpu_memory_mib[i]);
         }
+        m.mig_free = self.mig_free & other.mig_free;
+        m
     }
 }
 
@@ -174,6 +203,8 @@ pub struct FleetNode<'a> {
     pub model: &'a str,
     pub free: NodeFree,
     pub group: GroupId,
+    /// Link ranks between the node's GPUs (shared by every host of its hardware class).
+    pub ranks: Arc<Vec<Vec<u32>>>,
     /// Held back for a backfill reservation: not in any group; evaluated one by one, against
     /// `shadow` for work that would still run at the reservation's start.
     pub shadow: Option<NodeFree>,
@@ -207,6 +238,7 @@ impl<'a> Fleet<'a> {
             has_racks: false,
             reserved: BTreeSet::new(),
         };
+        let mut ranks_of: HashMap<u64, Arc<Vec<Vec<u32>>>> = HashMap::new();
         for node in state.nodes.values() {
             if node.status != NodeStatus::Ready {
                 continue;
@@ -220,15 +252,20 @@ impl<'a> Fleet<'a> {
             let idx = fleet.nodes.len() as NodeIdx;
             let rack = node.spec.labels.get(RACK_LABEL).map(String::as_str);
             fleet.has_racks |= rack.is_some();
+            let hardware = state
+                .index
+                .hardware_class
+                .get(&node.spec.name)
+                .copied()
+                .unwrap_or_default();
+            let ranks = ranks_of
+                .entry(hardware)
+                .or_insert_with(|| Arc::new(rank_matrix(&node.spec.topology)))
+                .clone();
             let key = GroupKey {
-                hardware: state
-                    .index
-                    .hardware_class
-                    .get(&node.spec.name)
-                    .copied()
-                    .unwrap_or_default(),
+                hardware,
                 partition: node.spec.partition.as_deref(),
-                free: free.clone(),
+                free,
             };
             let group = fleet.join(key, idx);
             fleet.nodes.push(FleetNode {
@@ -237,6 +274,7 @@ impl<'a> Fleet<'a> {
                 model: node.spec.gpus.first().map_or("", |g| g.model.as_str()),
                 free,
                 group,
+                ranks,
                 shadow: None,
             });
             fleet.index_of.insert(node.spec.name.as_str(), idx);
@@ -284,7 +322,7 @@ impl<'a> Fleet<'a> {
         let key = GroupKey {
             hardware: self.groups[n.group as usize].key.hardware,
             partition: n.node.spec.partition.as_deref(),
-            free: free.clone(),
+            free,
         };
         self.leave(idx);
         let g = self.join(key, idx);

@@ -33,7 +33,7 @@ use serde::Serialize;
 
 use crate::state::{ClusterState, Job, JobPlacement, MILLI_PER_GPU, TaskPlacement, Timestamp};
 pub use backfill::{Reservation, end_if_started};
-pub use fit::{best_gpu_set, link_rank};
+pub use fit::{best_gpu_set, link_rank, rank_matrix};
 use fleet::{Fleet, NodeIdx};
 use frag::Workload;
 use placement::{Placer, Scorer, Shape, Units, unit_uuids};
@@ -92,21 +92,48 @@ pub fn plan(state: &ClusterState, now: Timestamp) -> Plan {
     plan_with(state, now, &Policy::default())
 }
 
+/// Where one pass spent its time, for the benchmark (microseconds per stage).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PassStats {
+    pub queue_us: u64,
+    pub fleet_us: u64,
+    pub place_us: u64,
+    pub reserve_us: u64,
+    pub preempt_us: u64,
+    pub jobs_considered: usize,
+}
+
 /// One scheduling pass.
 pub fn plan_with(state: &ClusterState, now: Timestamp, policy: &Policy) -> Plan {
+    plan_with_stats(state, now, policy).0
+}
+
+/// One scheduling pass, and where its time went.
+pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) -> (Plan, PassStats) {
+    let mut stats = PassStats::default();
+    let mut clock = std::time::Instant::now();
+    let lap = |clock: &mut std::time::Instant| {
+        let us = clock.elapsed().as_micros() as u64;
+        *clock = std::time::Instant::now();
+        us
+    };
     let mut queue = queue::Queue::build(state, now, policy.aging_step_ms, policy.max_jobs_per_pass);
+    stats.queue_us = lap(&mut clock);
     let workload = expected_workload(state);
     let scorer = Scorer {
         policy: policy.scoring.clone(),
         workload,
+        fit_only: false,
     };
     let mut placer = Placer::new(Fleet::build(state), scorer);
+    stats.fleet_us = lap(&mut clock);
     let mut plan = Plan::default();
     // GPU capacity (milli) each limited tenant holds, updated as this pass places its jobs.
     let mut held: BTreeMap<&str, u64> = BTreeMap::new();
     let mut head: Option<(&Job, Shape)> = None;
     let mut planned: Vec<(NodeIdx, Option<Timestamp>, Shape, Units)> = Vec::new();
     while let Some(job) = queue.next_job() {
+        stats.jobs_considered += 1;
         let tenant = job.spec.tenant.as_str();
         let limit = state
             .tenants
@@ -152,19 +179,23 @@ pub fn plan_with(state: &ClusterState, now: Timestamp, policy: &Policy) -> Plan 
                     head = Some((job, shape));
                     break;
                 }
+                let started = std::time::Instant::now();
                 plan.reservation = backfill::reserve(state, &mut placer, job, &shape, now, &planned);
+                stats.reserve_us = started.elapsed().as_micros() as u64;
                 head = Some((job, shape));
             }
             None => {}
         }
     }
+    stats.place_us = lap(&mut clock).saturating_sub(stats.reserve_us);
     if policy.preemption
         && let Some((job, shape)) = &head
         && let Some(p) = preempt::select(state, &placer, job, shape, now)
     {
         plan.preemptions.push(p);
     }
-    plan
+    stats.preempt_us = lap(&mut clock);
+    (plan, stats)
 }
 
 /// The workload fragmentation is measured against: the shapes of pending work and of what

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::fit::{best_gpu_set, link_rank};
-use super::fleet::{Fleet, FleetNode, GroupEvent, GroupId, NodeFree, NodeIdx};
+use super::fleet::{Fleet, FleetNode, GroupEvent, GroupId, MAX_GPUS, NodeFree, NodeIdx};
 use super::frag::Workload;
 use super::score::{self, Demand, NodeResources, ScorePolicy};
 use crate::state::{JobSpec, Node, share_memory_for};
@@ -102,6 +102,8 @@ pub struct TaskFit {
 pub struct Scorer {
     pub policy: ScorePolicy,
     pub workload: Workload,
+    /// Only whether a task fits matters (not which GPUs are best): skips the topology search.
+    pub fit_only: bool,
 }
 
 impl Scorer {
@@ -111,6 +113,7 @@ impl Scorer {
         Scorer {
             policy: ScorePolicy::BestFit,
             workload: Workload::default(),
+            fit_only: true,
         }
     }
 }
@@ -135,8 +138,8 @@ pub fn evaluate_node(sc: &Scorer, n: &FleetNode, free: &NodeFree, shape: &Shape)
     if let Some(profile) = &shape.mig_profile {
         return evaluate_mig(node, free, shape, profile, &model_ok);
     }
-    let mut view = [0u32; 16];
-    let view = &mut view[..free.gpu_milli.len().min(16)];
+    let mut view = [0u32; MAX_GPUS];
+    let view = &mut view[..free.gpus as usize];
     for (pos, v) in view.iter_mut().enumerate() {
         let mut m = if model_ok(pos) { free.gpu_milli[pos] } else { 0 };
         if shape.is_share() {
@@ -175,13 +178,13 @@ pub fn evaluate_node(sc: &Scorer, n: &FleetNode, free: &NodeFree, shape: &Shape)
         .map(|p| p as u32)
         .collect();
     let k = shape.gpus as usize;
-    let topology = &node.spec.topology;
+    let ranks: &[Vec<u32>] = if sc.fit_only { &[] } else { &n.ranks };
     let set = if shape.single_numa {
-        single_numa_set(node, &candidates, k)?
+        single_numa_set(node, ranks, &candidates, k)?
     } else {
-        best_gpu_set(topology, &candidates, k)?
+        best_gpu_set(ranks, &candidates, k)?
     };
-    let weakest = weakest_link(topology, &set);
+    let weakest = weakest_link(ranks, &set);
     Some(TaskFit {
         key: (score, left, 1000u32.saturating_sub(weakest)),
         units: Units::Gpus(set.into_iter().map(|p| p as u8).collect()),
@@ -189,15 +192,19 @@ pub fn evaluate_node(sc: &Scorer, n: &FleetNode, free: &NodeFree, shape: &Shape)
 }
 
 /// The weakest link rank inside a set (1000 for sets of one, or without a matrix).
-fn weakest_link(topology: &[Vec<String>], set: &[u32]) -> u32 {
+fn weakest_link(ranks: &[Vec<u32>], set: &[u32]) -> u32 {
+    if ranks.is_empty() {
+        return 1000;
+    }
     let mut weakest = 1000;
     for (i, &a) in set.iter().enumerate() {
         for &b in &set[i + 1..] {
-            let cell = topology
+            let r = ranks
                 .get(a as usize)
                 .and_then(|r| r.get(b as usize))
-                .map_or("", String::as_str);
-            weakest = weakest.min(if topology.is_empty() { 1000 } else { link_rank(cell) });
+                .copied()
+                .unwrap_or(0);
+            weakest = weakest.min(r);
         }
     }
     weakest
@@ -205,7 +212,7 @@ fn weakest_link(topology: &[Vec<String>], set: &[u32]) -> u32 {
 
 /// The best-connected set of `k` free GPUs that all sit on one NUMA node. GPUs whose NUMA node
 /// is unknown count as one node only if no pair among them crosses sockets (`SYS`).
-fn single_numa_set(node: &Node, candidates: &[u32], k: usize) -> Option<Vec<u32>> {
+fn single_numa_set(node: &Node, ranks: &[Vec<u32>], candidates: &[u32], k: usize) -> Option<Vec<u32>> {
     let mut by_numa: BTreeMap<Option<u32>, Vec<u32>> = BTreeMap::new();
     for &c in candidates {
         by_numa
@@ -213,17 +220,17 @@ fn single_numa_set(node: &Node, candidates: &[u32], k: usize) -> Option<Vec<u32>
             .or_default()
             .push(c);
     }
-    let topology = &node.spec.topology;
+    let sys = link_rank("SYS");
     by_numa
         .into_iter()
         .filter_map(|(numa, free)| {
-            let set = best_gpu_set(topology, &free, k)?;
-            if numa.is_none() && weakest_link(topology, &set) == link_rank("SYS") && k > 1 {
+            let set = best_gpu_set(ranks, &free, k)?;
+            if numa.is_none() && k > 1 && !ranks.is_empty() && weakest_link(ranks, &set) == sys {
                 return None;
             }
             Some(set)
         })
-        .max_by_key(|set| (weakest_link(topology, set), std::cmp::Reverse(set.clone())))
+        .max_by_key(|set| (weakest_link(ranks, set), std::cmp::Reverse(set.clone())))
 }
 
 /// MIG slices of `profile`: packed onto the GPUs that already have the fewest such slices free,
@@ -236,7 +243,7 @@ fn evaluate_mig(
     model_ok: &dyn Fn(usize) -> bool,
 ) -> Option<TaskFit> {
     let mut per_gpu: BTreeMap<u8, Vec<u8>> = BTreeMap::new();
-    for &(g, s) in &free.mig_free {
+    for (g, s) in free.slices() {
         let gpu = &node.spec.gpus[g as usize];
         if model_ok(g as usize) && gpu.mig.get(s as usize).is_some_and(|m| m.profile == profile) {
             per_gpu.entry(g).or_default().push(s);
@@ -266,7 +273,7 @@ fn evaluate_mig(
 
 /// `free` after a task of `shape` takes `units`.
 pub fn take(node: &Node, free: &NodeFree, shape: &Shape, units: &Units) -> NodeFree {
-    let mut f = free.clone();
+    let mut f = *free;
     f.cpu_milli = f.cpu_milli.saturating_sub(shape.cpu_milli);
     f.memory_mib = f.memory_mib.saturating_sub(shape.memory_mib);
     match units {
@@ -287,14 +294,18 @@ pub fn take(node: &Node, free: &NodeFree, shape: &Shape, units: &Units) -> NodeF
                 }
             }
         }
-        Units::Slices(ss) => f.mig_free.retain(|s| !ss.contains(s)),
+        Units::Slices(ss) => {
+            for &(g, s) in ss {
+                f.take_slice(g, s);
+            }
+        }
     }
     f
 }
 
 /// `free` after a task of `shape` that held `units` gives them back.
 pub fn give_back(node: &Node, free: &NodeFree, shape: &Shape, units: &Units) -> NodeFree {
-    let mut f = free.clone();
+    let mut f = *free;
     f.cpu_milli += shape.cpu_milli;
     f.memory_mib += shape.memory_mib;
     match units {
@@ -313,9 +324,9 @@ pub fn give_back(node: &Node, free: &NodeFree, shape: &Shape, units: &Units) -> 
             }
         }
         Units::Slices(ss) => {
-            f.mig_free.extend(ss.iter().copied());
-            f.mig_free.sort_unstable();
-            f.mig_free.dedup();
+            for &(g, s) in ss {
+                f.give_slice(g, s);
+            }
         }
     }
     f
@@ -492,9 +503,9 @@ impl<'a> Placer<'a> {
             .map(|g| {
                 let free = self.fleet.group_free(g);
                 let units = if shape.mig_profile.is_some() {
-                    free.mig_free.len() as u64
+                    u64::from(free.mig_free.count_ones())
                 } else {
-                    free.gpu_milli.iter().filter(|&&m| m > 0).count() as u64
+                    free.milli().iter().filter(|&&m| m > 0).count() as u64
                 };
                 let by_gpu = if shape.gpus == 0 {
                     u64::MAX

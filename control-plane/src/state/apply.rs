@@ -116,8 +116,7 @@ impl ClusterState {
         }
         if !self.nodes.is_empty() && spec.mig_profile.is_none() {
             let largest = self
-                .nodes
-                .values()
+                .node_per_class()
                 .map(|n| n.spec.gpus.len())
                 .max()
                 .unwrap_or(0);
@@ -169,7 +168,11 @@ impl ClusterState {
                     .count(),
             }
         };
-        if spec.gpus_per_task == 0 || self.nodes.values().any(|n| units(n) >= spec.gpus_per_task as usize) {
+        if spec.gpus_per_task == 0
+            || self
+                .node_per_class()
+                .any(|n| units(n) >= spec.gpus_per_task as usize)
+        {
             return Ok(());
         }
         let what = match (&spec.mig_profile, spec.is_share()) {
@@ -338,9 +341,20 @@ impl ClusterState {
         } else {
             NodeStatus::Ready
         };
+        let class = super::hardware_class(&spec);
+        if let Some(old) = self.index.hardware_class.insert(spec.name.clone(), class)
+            && let Some(names) = self.index.class_nodes.get_mut(&old)
+        {
+            names.remove(&spec.name);
+            if names.is_empty() {
+                self.index.class_nodes.remove(&old);
+            }
+        }
         self.index
-            .hardware_class
-            .insert(spec.name.clone(), super::hardware_class(&spec));
+            .class_nodes
+            .entry(class)
+            .or_default()
+            .insert(spec.name.clone());
         self.nodes.insert(
             spec.name.clone(),
             Node {

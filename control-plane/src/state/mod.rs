@@ -83,6 +83,9 @@ pub struct Indexes {
     /// Node → fingerprint of its hardware (GPU models, memory, NUMA, MIG layout, link matrix),
     /// so the scheduler can treat identical hosts alike without comparing matrices each pass.
     pub hardware_class: BTreeMap<String, u64>,
+    /// Hardware class → the nodes of that class: "could any node ever run this?" looks at one
+    /// node per class instead of every node.
+    pub class_nodes: BTreeMap<u64, BTreeSet<String>>,
 }
 
 /// Fingerprint of what a node's hardware offers the scheduler (not its health or usage).
@@ -179,6 +182,15 @@ impl ClusterState {
         })
     }
 
+    /// One node of each hardware class.
+    pub fn node_per_class(&self) -> impl Iterator<Item = &Node> {
+        self.index
+            .class_nodes
+            .values()
+            .filter_map(|names| names.first())
+            .filter_map(|name| self.nodes.get(name))
+    }
+
     /// Pending jobs, in id order.
     pub fn pending_jobs(&self) -> impl Iterator<Item = &Job> {
         self.index.pending.iter().filter_map(|id| self.jobs.get(id))
@@ -193,9 +205,13 @@ impl ClusterState {
     pub fn rebuild_indexes(&mut self) {
         let mut index = Indexes::default();
         for node in self.nodes.values() {
+            let class = hardware_class(&node.spec);
+            index.hardware_class.insert(node.spec.name.clone(), class);
             index
-                .hardware_class
-                .insert(node.spec.name.clone(), hardware_class(&node.spec));
+                .class_nodes
+                .entry(class)
+                .or_default()
+                .insert(node.spec.name.clone());
         }
         for job in self.jobs.values() {
             if job.state == JobState::Pending {

@@ -213,4 +213,6 @@ fn expected_workload(state: &ClusterState) -> Workload {
 }
 
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod tests;

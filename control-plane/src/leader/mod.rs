@@ -150,20 +150,9 @@ async fn schedule_once(
         tracing::debug!(job = r.job, start_at = r.start_at, nodes = ?r.nodes, "backfill reservation");
     }
     let mut refused = true;
-    if !plan.placements.is_empty() {
-        let proposed = plan.placements.len();
-        let placements = plan.placements;
-        match replica.write(Command::Place { term, placements }).await? {
-            Outcome::Placed { accepted, rejected } => {
-                for (job, reason) in &rejected {
-                    tracing::debug!(job, reason, "placement refused at apply");
-                }
-                tracing::debug!(proposed, accepted = accepted.len(), "scheduling pass");
-                refused &= accepted.is_empty();
-            }
-            other => tracing::warn!(?other, "unexpected outcome of a plan"),
-        }
-    }
+    // Preemptions first: they were chosen against the state the plan saw, before this pass's
+    // placements (a quota reclaim judged after them could be refused). Victims keep their GPUs
+    // until they exit, so the placements stay valid either way.
     for p in plan.preemptions {
         let command = Command::Preempt {
             for_job: p.for_job,
@@ -179,6 +168,20 @@ async fn schedule_once(
                 refused &= accepted.is_empty();
             }
             other => tracing::warn!(?other, "unexpected outcome of a preemption"),
+        }
+    }
+    if !plan.placements.is_empty() {
+        let proposed = plan.placements.len();
+        let placements = plan.placements;
+        match replica.write(Command::Place { term, placements }).await? {
+            Outcome::Placed { accepted, rejected } => {
+                for (job, reason) in &rejected {
+                    tracing::debug!(job, reason, "placement refused at apply");
+                }
+                tracing::debug!(proposed, accepted = accepted.len(), "scheduling pass");
+                refused &= accepted.is_empty();
+            }
+            other => tracing::warn!(?other, "unexpected outcome of a plan"),
         }
     }
     Ok(refused)

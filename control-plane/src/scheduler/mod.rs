@@ -175,6 +175,11 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
                 });
             }
             None if head.is_none() => {
+                // The head's tenant keeps room under its limit for it: later jobs of the same
+                // tenant must not use it up, or the reservation would be void at its start.
+                if limit.is_some() {
+                    *held.entry(tenant).or_default() += job.spec.total_gpu_milli();
+                }
                 if !policy.backfill {
                     head = Some((job, shape));
                     break;

@@ -178,7 +178,13 @@ pub fn evaluate_node(sc: &Scorer, n: &FleetNode, free: &NodeFree, shape: &Shape)
         .map(|p| p as u32)
         .collect();
     let k = shape.gpus as usize;
-    let ranks: &[Vec<u32>] = if sc.fit_only { &[] } else { &n.ranks };
+    // Fit-only questions skip the topology search, except where the topology decides whether
+    // it fits at all (single NUMA without NUMA information: no cross-socket link allowed).
+    let ranks: &[Vec<u32>] = if sc.fit_only && !shape.single_numa {
+        &[]
+    } else {
+        &n.ranks
+    };
     let set = if shape.single_numa {
         single_numa_set(node, ranks, &candidates, k)?
     } else {
@@ -242,18 +248,31 @@ fn evaluate_mig(
     profile: &str,
     model_ok: &dyn Fn(usize) -> bool,
 ) -> Option<TaskFit> {
-    let mut per_gpu: BTreeMap<u8, Vec<u8>> = BTreeMap::new();
+    // Free slices of the profile per GPU, per NUMA node when the task must stay on one.
+    let mut per_numa: BTreeMap<Option<u32>, BTreeMap<u8, Vec<u8>>> = BTreeMap::new();
     for (g, s) in free.slices() {
         let gpu = &node.spec.gpus[g as usize];
         if model_ok(g as usize) && gpu.mig.get(s as usize).is_some_and(|m| m.profile == profile) {
-            per_gpu.entry(g).or_default().push(s);
+            let numa = if shape.single_numa { gpu.numa_node } else { None };
+            per_numa.entry(numa).or_default().entry(g).or_default().push(s);
         }
     }
-    let total: usize = per_gpu.values().map(Vec::len).sum();
     let k = shape.gpus as usize;
-    if total < k {
-        return None;
-    }
+    // The NUMA node (or the whole node) with the fewest free slices that still hold the task.
+    let per_gpu = per_numa
+        .into_values()
+        .filter(|gpus| gpus.values().map(Vec::len).sum::<usize>() >= k)
+        .min_by_key(|gpus| gpus.values().map(Vec::len).sum::<usize>())?;
+    let total: usize = free
+        .slices()
+        .filter(|&(g, s)| {
+            model_ok(g as usize)
+                && node.spec.gpus[g as usize]
+                    .mig
+                    .get(s as usize)
+                    .is_some_and(|m| m.profile == profile)
+        })
+        .count();
     let mut order: Vec<(usize, u8)> = per_gpu.iter().map(|(g, v)| (v.len(), *g)).collect();
     order.sort_unstable();
     let mut slices = Vec::with_capacity(k);

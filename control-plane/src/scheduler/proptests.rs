@@ -23,8 +23,9 @@
 //! The runs are deterministic (a fixed seed, no persistence file); set `PROPTEST_RNG_SEED` to
 //! explore other cases and `SCHEDULER_PROPTEST_SCALE` to multiply the case counts.
 //!
-//! Known scheduler bugs have `#[ignore]`d tests at the end, each with its minimal input; the
-//! properties above tolerate exactly those (and say so), so that they keep guarding the rest.
+//! The fixed cases at the end are the minimal inputs of bugs these properties found (multi-task
+//! shares on one GPU, a requeued victim overtaking its preemptor, backfill using the head
+//! tenant's limit, a quota reclaim invalidated by the pass's own placements, single-NUMA MIG).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -143,7 +144,7 @@ impl Sim {
         }
     }
 
-    /// Commits a plan's preemptions (after its placements, as the leader does); returns the
+    /// Commits a plan's preemptions (before its placements, as the leader does); returns the
     /// victims apply refused.
     fn preempt(&mut self, plan: &Plan, at: Timestamp) -> Vec<(JobId, String)> {
         let mut refused = Vec::new();
@@ -162,12 +163,12 @@ impl Sim {
         refused
     }
 
-    /// One leader pass: plan, place, preempt.
+    /// One leader pass: plan, preempt, place.
     fn pass(&mut self, at: Timestamp, policy: &Policy) -> Result<Plan, TestCaseError> {
         let plan = plan_with(&self.state, at, policy);
         check_plan(&self.state, &plan)?;
-        self.place(&plan, at)?;
         self.preempt(&plan, at);
+        self.place(&plan, at)?;
         Ok(plan)
     }
 
@@ -948,7 +949,6 @@ fn check_reservation_holds(
     r: &Reservation,
     policy: &Policy,
     what: &str,
-    strict: bool,
 ) -> Result<(), TestCaseError> {
     let start = r.start_at;
     let ending: Vec<AllocationId> = sim
@@ -986,10 +986,6 @@ fn check_reservation_holds(
         return Ok(());
     }
     let job = &sim.state.jobs[&r.job];
-    if !strict && blocked_by_tenant(&sim.state, job, false) {
-        // Known: backfill does not hold the reserved job's tenant limit.
-        return Ok(());
-    }
     let tenant = job.spec.tenant.as_str();
     Err(TestCaseError::fail(format!(
         "{what}: job {} reserved at {} (nodes {:?}) cannot start then: tenant {} holds {} milli \
@@ -1014,8 +1010,8 @@ fn check_reservation_holds(
     )))
 }
 
-/// Property 4; `strict`: also when the reserved job is blocked by its tenant's limit.
-fn backfill_property(s: &Scenario, strict: bool) -> Result<(), TestCaseError> {
+/// Property 4.
+fn backfill_property(s: &Scenario) -> Result<(), TestCaseError> {
     let b = build(s)?;
     let plan = plan_with(&b.sim.state, b.now, &b.policy);
     let Some(r) = &plan.reservation else {
@@ -1027,26 +1023,14 @@ fn backfill_property(s: &Scenario, strict: bool) -> Result<(), TestCaseError> {
         r.nodes.values().sum::<u32>(),
         b.sim.state.jobs[&r.job].spec.tasks
     );
-    check_reservation_holds(b.sim.clone(), r, &b.policy, "before the plan", true)?;
+    check_reservation_holds(b.sim.clone(), r, &b.policy, "before the plan")?;
     let mut after = b.sim.clone();
     after.place(&plan, b.now)?;
-    check_reservation_holds(after, r, &b.policy, "after the plan's placements", strict)
+    check_reservation_holds(after, r, &b.policy, "after the plan's placements")
 }
 
-/// Whether `job` cannot start because its tenant would exceed its `max_gpus` (`quota`: its
-/// guaranteed quota instead).
-fn blocked_by_tenant(state: &ClusterState, job: &Job, quota: bool) -> bool {
-    let Some(t) = state.tenants.get(&job.spec.tenant) else {
-        return false;
-    };
-    let limit = u64::from(if quota { t.quota_gpus } else { t.max_gpus }) * MILLI_PER_GPU;
-    (quota || limit > 0)
-        && state.gpu_milli_held_by_tenant(&t.name) + job.spec.total_gpu_milli() > limit
-}
-
-/// The preemption property; `strict`: also when the pass's own placements for the preemptor's
-/// tenant take it past its guarantee (or its limit).
-fn preemption_property(s: &Scenario, strict: bool) -> Result<(), TestCaseError> {
+/// The preemption property.
+fn preemption_property(s: &Scenario) -> Result<(), TestCaseError> {
     let b = build(s)?;
     let state = &b.sim.state;
     let plan = plan_with(state, b.now, &b.policy);
@@ -1066,13 +1050,9 @@ fn preemption_property(s: &Scenario, strict: bool) -> Result<(), TestCaseError> 
         );
     }
     let mut sim = b.sim.clone();
-    sim.place(&plan, b.now)?;
     let refused = sim.preempt(&plan, b.now);
+    sim.place(&plan, b.now)?;
     if !refused.is_empty() {
-        // Known: reclaim judged before the pass's placements raised the tenant's holdings.
-        if !strict && blocked_by_tenant(&sim.state, head, true) {
-            return Ok(());
-        }
         return Err(TestCaseError::fail(format!(
             "apply refused victims {refused:?} of {p:?}"
         )));
@@ -1107,9 +1087,6 @@ fn preemption_property(s: &Scenario, strict: bool) -> Result<(), TestCaseError> 
     }
     let next = plan_with(&sim.state, b.now + 2000, &b.policy);
     if next.placements.iter().any(|x| x.job == head.id) {
-        return Ok(());
-    }
-    if !strict && blocked_by_tenant(&sim.state, &sim.state.jobs[&head.id], false) {
         return Ok(());
     }
     Err(TestCaseError::fail(format!(
@@ -1487,24 +1464,19 @@ proptest! {
     /// Property 4: when the plan holds a reservation for job H at `start_at`, H can start at
     /// `start_at` once the work that ends by then has ended, both on the state the plan was
     /// computed on (the reservation is right) and after the plan's placements, backfilled jobs
-    /// included, were applied at `now` (backfill never delays it). One known exception is
-    /// tolerated here and checked strictly by `backfill_keeps_room_in_the_reserved_jobs_limit`:
-    /// H blocked at `start_at` by its tenant's `max_gpus` after this pass placed more of that
-    /// tenant's work.
+    /// included, were applied at `now` (backfill never delays it).
     #[test]
     fn a_backfilled_job_never_delays_the_reservation(s in busy_scenario()) {
-        backfill_property(&s, false)?;
+        backfill_property(&s)?;
     }
 
     /// Preemption: every victim passes apply's own rule on the state the plan was computed on;
-    /// committed as the leader commits a plan (placements first), apply refuses none; once the
+    /// committed as the leader commits a plan (preemptions first), apply refuses none; once the
     /// victims have stopped they are pending again (requeued, not lost), and with nothing else
-    /// competing the preemptor starts in the next pass. Known exception tolerated here, checked
-    /// strictly by `preemption_victims_are_accepted_after_the_passs_placements`: a quota
-    /// reclaim the pass's own placements for the preemptor's tenant invalidate.
+    /// competing the preemptor starts in the next pass.
     #[test]
     fn preemption_victims_are_accepted_and_make_room(s in contended_scenario()) {
-        preemption_property(&s, false)?;
+        preemption_property(&s)?;
     }
 
     /// Property 5 (simulation): one node, every job running exactly its time limit, a pass
@@ -1973,7 +1945,7 @@ fn the_wait_behind_aged_jobs_can_exceed_the_sum_of_their_limits() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Known bugs (ignored until fixed; each names its minimal input)
+// Bugs these properties found, fixed: each case is its minimal input
 // ---------------------------------------------------------------------------------------------
 
 proptest! {
@@ -1981,7 +1953,6 @@ proptest! {
 
     /// Property 1 with share jobs of several tasks.
     #[test]
-    #[ignore = "scheduler bug: two tasks of one share job are planned on one GPU, which apply refuses"]
     fn a_share_gang_plan_is_accepted_by_apply(s in scenario_with(1..=6, 0..=10, 1..=12, true)) {
         let b = build(&s)?;
         let before = b.sim.state.clone();
@@ -1998,7 +1969,6 @@ proptest! {
 
     /// Property 1's plan check with `single_numa` held for MIG jobs too.
     #[test]
-    #[ignore = "scheduler bug: a single-NUMA MIG task may take slices on two NUMA nodes"]
     fn a_single_numa_mig_plan_stays_on_one_numa_node(s in scenario()) {
         let b = build(&s)?;
         let plan = plan_with(&b.sim.state, b.now, &b.policy);
@@ -2012,7 +1982,6 @@ proptest! {
 /// has seven free: `evaluate_mig` packs onto the GPUs with the fewest free slices and never
 /// looks at `single_numa` (whole-GPU jobs go through `single_numa_set`; MIG jobs do not).
 #[test]
-#[ignore = "scheduler bug: a single-NUMA MIG task may take slices on two NUMA nodes"]
 fn a_single_numa_mig_task_stays_on_one_numa_node() {
     run_ok((|| {
         let mut sim = Sim::new();
@@ -2052,7 +2021,6 @@ fn a_single_numa_mig_task_stays_on_one_numa_node() {
 /// refuses "GPU GPU-n-0 is placed twice in one plan", and since the plan is the same every pass
 /// the job never starts while the leader re-proposes it forever.
 #[test]
-#[ignore = "scheduler bug: two tasks of one share job are planned on one GPU, which apply refuses"]
 fn two_shares_of_one_job_on_one_gpu_are_accepted() {
     run_ok((|| {
         let mut sim = Sim::new();
@@ -2086,7 +2054,6 @@ fn two_shares_of_one_job_on_one_gpu_are_accepted() {
 /// every cycle). The same happens below the aged level within one tenant (L's lower id wins at
 /// an equal level) once L has run for two steps.
 #[test]
-#[ignore = "scheduler bug: a requeued victim keeps its aging credit and overtakes its preemptor"]
 fn a_requeued_victim_never_overtakes_its_preemptor() {
     run_ok((|| {
         let mut sim = Sim::new();
@@ -2142,25 +2109,6 @@ fn a_requeued_victim_never_overtakes_its_preemptor() {
     })());
 }
 
-proptest! {
-    #![proptest_config(config(1000))]
-
-    /// Property 4 without the tolerated exception (the default seed finds the bug within its
-    /// 1000 cases).
-    #[test]
-    #[ignore = "scheduler bug: backfill does not hold the reserved job's tenant limit"]
-    fn backfill_keeps_room_in_the_reserved_jobs_limit(s in busy_scenario()) {
-        backfill_property(&s, true)?;
-    }
-
-    /// The preemption property without the tolerated exception.
-    #[test]
-    #[ignore = "scheduler bug: a quota reclaim is judged before the pass's own placements"]
-    fn preemption_victims_are_accepted_after_the_passs_placements(s in contended_scenario()) {
-        preemption_property(&s, true)?;
-    }
-}
-
 /// Minimal input: one 8-GPU node; tenant `t` with `max_gpus` 4, tenant `u` unlimited. `u` runs
 /// 6 GPUs for an hour. `t` submits H (4 GPUs, 1 h limit) then J (1 GPU, no limit). The pass
 /// reserves the node for H at the hour and backfills J: J is "long" but fits beside H in what
@@ -2169,7 +2117,6 @@ proptest! {
 /// and waits for J, which has no end. `plan_with` charges a tenant's limit only for jobs it
 /// places; the head's demand is not set aside for its tenant when later jobs are backfilled.
 #[test]
-#[ignore = "scheduler bug: backfill does not hold the reserved job's tenant limit"]
 fn a_backfilled_job_of_the_same_tenant_never_blocks_the_reservation_by_quota() {
     run_ok((|| {
         let mut sim = Sim::new();
@@ -2213,9 +2160,9 @@ fn a_backfilled_job_of_the_same_tenant_never_blocks_the_reservation_by_quota() {
         let plan = plan_with(&sim.state, now, &policy);
         let r = plan.reservation.clone().expect("H gets a reservation");
         prop_assert_eq!(r.job, head);
-        check_reservation_holds(sim.clone(), &r, &policy, "before the plan", true)?;
+        check_reservation_holds(sim.clone(), &r, &policy, "before the plan")?;
         sim.place(&plan, now)?;
-        check_reservation_holds(sim, &r, &policy, "after the plan's placements", true)
+        check_reservation_holds(sim, &r, &policy, "after the plan's placements")
     })());
 }
 
@@ -2226,7 +2173,6 @@ fn a_backfilled_job_of_the_same_tenant_never_blocks_the_reservation_by_quota() {
 /// `Place` first, so `own` holds 1 when `Preempt` applies, 1 + 2 > 2, and apply refuses both
 /// victims: the plan proposes preemptions that its own placements invalidate.
 #[test]
-#[ignore = "scheduler bug: a quota reclaim is judged before the pass's own placements"]
 fn a_quota_reclaim_is_not_invalidated_by_the_same_passs_placements() {
     run_ok((|| {
         let mut sim = Sim::new();
@@ -2263,8 +2209,8 @@ fn a_quota_reclaim_is_not_invalidated_by_the_same_passs_placements() {
         let plan = plan_with(&sim.state, now, &policy);
         prop_assert_eq!(plan.preemptions.len(), 1);
         prop_assert_eq!(plan.preemptions[0].for_job, head);
-        sim.place(&plan, now)?;
         let refused = sim.preempt(&plan, now);
+        sim.place(&plan, now)?;
         prop_assert!(refused.is_empty(), "apply refused {:?}", refused);
         Ok(())
     })());

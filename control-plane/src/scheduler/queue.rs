@@ -37,14 +37,22 @@ pub fn dependencies_met(state: &ClusterState, job: &Job) -> bool {
     })
 }
 
-/// When the job became eligible: its submission, or the end of its last dependency.
+/// When the job became eligible: when it last entered the queue (submission, or a requeue —
+/// a preempted job must not count the time it ran as waiting, or it would overtake the job
+/// that preempted it), or the end of its last dependency, whichever is later.
 pub fn eligible_since(state: &ClusterState, job: &Job) -> Timestamp {
+    let queued = job
+        .history
+        .iter()
+        .rev()
+        .find(|h| h.state == JobState::Pending)
+        .map_or(job.submitted_at, |h| h.at);
     job.spec
         .dependencies
         .iter()
         .filter_map(|d| state.jobs.get(&d.job))
         .filter_map(|dep| dep.history.last().map(|h| h.at))
-        .fold(job.submitted_at, Timestamp::max)
+        .fold(queued, Timestamp::max)
 }
 
 /// A job's level at `now`: its class, raised by aging.

@@ -424,6 +424,8 @@ impl ClusterState {
             ));
         }
         let mut in_plan = BTreeSet::new();
+        // Shares this plan already gives out per GPU (a gang of shares may share a GPU).
+        let mut shared_in_plan: std::collections::BTreeMap<&str, (u32, u64)> = Default::default();
         let mut tasks_per_node: std::collections::BTreeMap<&str, u64> = Default::default();
         for task in &p.tasks {
             *tasks_per_node.entry(task.node.as_str()).or_default() += 1;
@@ -463,8 +465,13 @@ impl ClusterState {
                 ));
             }
             for uuid in &task.gpus {
-                self.check_gpu_unit(job, node, uuid)?;
-                if !in_plan.insert(uuid.as_str()) {
+                let extra = shared_in_plan.get(uuid.as_str()).copied().unwrap_or((0, 0));
+                let memory = self.check_gpu_unit(job, node, uuid, extra)?;
+                if job.spec.is_share() {
+                    let e = shared_in_plan.entry(uuid.as_str()).or_default();
+                    e.0 += job.spec.gpu_milli;
+                    e.1 += memory;
+                } else if !in_plan.insert(uuid.as_str()) {
                     return Err(format!("GPU {uuid} is placed twice in one plan"));
                 }
             }
@@ -473,8 +480,15 @@ impl ClusterState {
     }
 
     /// Whether one GPU unit of a task (a whole GPU, a MIG slice or a share of a GPU, by the
-    /// job's kind) can be given to `job` on `node` now.
-    fn check_gpu_unit(&self, job: &Job, node: &Node, uuid: &str) -> Result<(), String> {
+    /// job's kind) can be given to `job` on `node` now; `extra`: milli and memory of shares
+    /// the same plan already puts on this GPU. Returns the GPU memory the unit takes (shares).
+    fn check_gpu_unit(
+        &self,
+        job: &Job,
+        node: &Node,
+        uuid: &str,
+        extra: (u32, u64),
+    ) -> Result<u64, String> {
         let spec = &job.spec;
         // A MIG slice is named by its own UUID, under its parent GPU.
         let (gpu, slice) = match &spec.mig_profile {
@@ -521,7 +535,7 @@ impl ClusterState {
             return Err(format!("GPU {uuid} is already held by allocation {holder}"));
         }
         if slice.is_some() {
-            return Ok(());
+            return Ok(0);
         }
         let shares = self.index.gpu_shares.get(uuid);
         if !spec.is_share() {
@@ -530,10 +544,11 @@ impl ClusterState {
                     "GPU {uuid} is shared by allocations {:?}",
                     s.allocations
                 )),
-                None => Ok(()),
+                None => Ok(0),
             };
         }
         let (milli, memory) = shares.map_or((0, 0), |s| (s.milli, s.memory_mib));
+        let (milli, memory) = (milli + extra.0, memory + extra.1);
         if u64::from(milli + spec.gpu_milli) > MILLI_PER_GPU {
             return Err(format!(
                 "GPU {uuid} has {} milli free, the share asks for {}",
@@ -548,7 +563,7 @@ impl ClusterState {
                 gpu.memory_mib.saturating_sub(memory)
             ));
         }
-        Ok(())
+        Ok(want)
     }
 
     fn commit_placement(&mut self, term: u64, p: &JobPlacement, at: Timestamp, index: u64) {

@@ -4,10 +4,10 @@
 //! current from the fleet's event log, so a pass over 10,000 pending jobs costs a lookup per
 //! job rather than a scan of 10,000 nodes.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::fit::{best_gpu_set, link_rank};
-use super::fleet::{Fleet, FleetNode, GroupEvent, GroupId, MAX_GPUS, NodeFree, NodeIdx};
+use super::fleet::{FastMap, Fleet, FleetNode, GroupEvent, GroupId, MAX_GPUS, NodeFree, NodeIdx};
 use super::frag::Workload;
 use super::score::{self, Demand, NodeResources, ScorePolicy};
 use crate::state::{JobSpec, Node, share_memory_for};
@@ -373,6 +373,8 @@ pub struct Ranking {
     evals: Vec<Option<Option<TaskFit>>>,
     ranked: BTreeSet<(ScoreKey, GroupId)>,
     cursor: usize,
+    /// (group, cap) → tasks of the shape a node of the group holds, up to cap.
+    capacity: FastMap<(GroupId, u32), u32>,
 }
 
 impl Ranking {
@@ -412,7 +414,7 @@ impl Ranking {
 pub struct Placer<'a> {
     pub fleet: Fleet<'a>,
     pub scorer: Scorer,
-    rankings: HashMap<Shape, Ranking>,
+    rankings: FastMap<Shape, Ranking>,
 }
 
 /// A placed task: node and units.
@@ -423,7 +425,7 @@ impl<'a> Placer<'a> {
         Placer {
             fleet,
             scorer,
-            rankings: HashMap::new(),
+            rankings: FastMap::default(),
         }
     }
 
@@ -512,83 +514,97 @@ impl<'a> Placer<'a> {
         Some(placed)
     }
 
-    /// Upper bound on how many tasks of `shape` the unreserved fleet can take now.
-    fn capacity_bound(&mut self, shape: &Shape) -> u64 {
-        let per_task_gpus = u64::from(shape.gpus.max(1));
-        let ranking = self.ranking(shape);
-        let groups: Vec<GroupId> = ranking.ranked.iter().map(|(_, g)| *g).collect();
-        groups
-            .into_iter()
-            .map(|g| {
-                let free = self.fleet.group_free(g);
-                let units = if shape.mig_profile.is_some() {
-                    u64::from(free.mig_free.count_ones())
-                } else {
-                    free.milli().iter().filter(|&&m| m > 0).count() as u64
-                };
-                let by_gpu = if shape.gpus == 0 {
-                    u64::MAX
-                } else {
-                    units / per_task_gpus
-                };
-                let by_cpu = free
-                    .cpu_milli
-                    .checked_div(shape.cpu_milli)
-                    .unwrap_or(u64::MAX);
-                let by_mem = free
-                    .memory_mib
-                    .checked_div(shape.memory_mib)
-                    .unwrap_or(u64::MAX);
-                let per_node = by_gpu.min(by_cpu).min(by_mem).max(1);
-                per_node.saturating_mul(self.fleet.groups[g as usize].members.len() as u64)
-            })
-            .fold(0u64, u64::saturating_add)
+    /// How many tasks of `shape` fit on a node of group `g` (up to `max`), cached per group.
+    fn tasks_per_node(&mut self, shape: &Shape, g: GroupId, max: u32) -> u32 {
+        let ranking = self.rankings.get_mut(shape).expect("ranking synced by the caller");
+        if let Some(&n) = ranking.capacity.get(&(g, max)) {
+            return n;
+        }
+        let sample = &self.fleet.nodes[self.fleet.groups[g as usize].sample as usize];
+        let fit_only = Scorer::fit_only();
+        let mut free = *self.fleet.group_free(g);
+        let mut n = 0;
+        while n < max {
+            let Some(fit) = evaluate_node(&fit_only, sample, &free, shape) else {
+                break;
+            };
+            free = take(sample.node, &free, shape, &fit.units);
+            n += 1;
+        }
+        ranking.capacity.insert((g, max), n);
+        n
     }
 
-    /// A gang inside one rack: every rack that can hold all tasks is tried, and the one whose
-    /// placement scores best wins. None when no single rack can hold the gang.
+    /// A gang inside one rack. Groups are scanned best score first and their nodes credited to
+    /// their racks; the first rack whose credited nodes can hold every task is tried (a few at
+    /// most), so the gang lands where the fleet fits it best while staying in one rack. None
+    /// when no rack is found this way.
     fn place_in_one_rack(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
-        if self.capacity_bound(shape) < u64::from(tasks) {
-            return None;
-        }
-        let racks = self.fleet.racks();
-        let mut best: Option<(i128, Vec<PlacedTask>)> = None;
-        for nodes in racks.values() {
-            let mut undo = Vec::new();
-            let mut placed = Vec::new();
-            let mut total: i128 = 0;
-            for _ in 0..tasks {
-                self.ranking(shape);
-                let mut pick: Option<(ScoreKey, NodeIdx, Units)> = None;
-                for &idx in nodes {
-                    let g = self.fleet.nodes[idx as usize].group;
-                    let fit = {
-                        let ranking = self.rankings.get_mut(shape).expect("synced above");
-                        ranking.eval(&self.fleet, &self.scorer, shape, g).cloned()
-                    };
-                    if let Some(fit) = fit
-                        && pick.as_ref().is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
-                    {
-                        pick = Some((fit.key, idx, fit.units));
-                    }
-                }
-                let Some((key, idx, units)) = pick else {
-                    break;
+        const MAX_TRIALS: usize = 8;
+        self.ranking(shape);
+        let groups: Vec<GroupId> = self.rankings[shape].ranked.iter().map(|(_, g)| *g).collect();
+        let mut credit: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut tried = 0;
+        for g in groups {
+            let per_node = self.tasks_per_node(shape, g, tasks);
+            if per_node == 0 {
+                continue;
+            }
+            let members: Vec<NodeIdx> = self.fleet.groups[g as usize].members.iter().copied().collect();
+            for idx in members {
+                let Some(rack) = self.fleet.nodes[idx as usize].rack else {
+                    continue;
                 };
-                total += i128::from(key.0);
-                undo.push(self.snapshot(idx));
-                self.commit(idx, shape, &units, long);
-                placed.push((idx, units));
-            }
-            let complete = placed.len() == tasks as usize;
-            self.restore(undo);
-            if complete && best.as_ref().is_none_or(|(t, _)| total < *t) {
-                best = Some((total, placed));
+                let c = credit.entry(rack).or_default();
+                if *c >= tasks {
+                    continue;
+                }
+                *c += per_node;
+                if *c < tasks {
+                    continue;
+                }
+                if let Some(placed) = self.try_rack(shape, tasks, long, rack) {
+                    return Some(placed);
+                }
+                tried += 1;
+                if tried >= MAX_TRIALS {
+                    return None;
+                }
             }
         }
-        let (_, placed) = best?;
-        for (idx, units) in &placed {
-            self.commit(*idx, shape, units, long);
+        None
+    }
+
+    /// Places every task on nodes of one rack, best node first, or nothing.
+    fn try_rack(&mut self, shape: &Shape, tasks: u32, long: bool, rack: &str) -> Option<Vec<PlacedTask>> {
+        let nodes = self.fleet.rack_nodes.get(rack).cloned().unwrap_or_default();
+        let mut undo = Vec::new();
+        let mut placed = Vec::new();
+        for _ in 0..tasks {
+            self.ranking(shape);
+            let mut pick: Option<(ScoreKey, NodeIdx, Units)> = None;
+            for &idx in &nodes {
+                if self.fleet.nodes[idx as usize].shadow.is_some() {
+                    continue;
+                }
+                let g = self.fleet.nodes[idx as usize].group;
+                let fit = {
+                    let ranking = self.rankings.get_mut(shape).expect("synced above");
+                    ranking.eval(&self.fleet, &self.scorer, shape, g).cloned()
+                };
+                if let Some(fit) = fit
+                    && pick.as_ref().is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
+                {
+                    pick = Some((fit.key, idx, fit.units));
+                }
+            }
+            let Some((_, idx, units)) = pick else {
+                self.restore(undo);
+                return None;
+            };
+            undo.push(self.snapshot(idx));
+            self.commit(idx, shape, &units, long);
+            placed.push((idx, units));
         }
         Some(placed)
     }

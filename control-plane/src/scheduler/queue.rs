@@ -122,12 +122,8 @@ impl<'a> Queue<'a> {
         for (tenant, u) in &state.tenant_usage {
             usage.insert(tenant.as_str(), u.gpu_seconds_at(now));
         }
-        for rec in state.allocations.values() {
-            if let Some(job) = state.jobs.get(&rec.allocation.job) {
-                let secs = now.saturating_sub(rec.allocation.created_at) as f64 / 1000.0;
-                let gpus = job.spec.gpu_milli_per_task() as f64 / MILLI_PER_GPU as f64;
-                *usage.entry(job.spec.tenant.as_str()).or_default() += gpus * secs;
-            }
+        for tenant in state.index.tenant_running.keys() {
+            *usage.entry(tenant.as_str()).or_default() += state.running_gpu_seconds(tenant, now);
         }
         let mut weights = BTreeMap::new();
         let mut shares = BTreeMap::new();

@@ -355,6 +355,7 @@ impl ClusterState {
             .entry(class)
             .or_default()
             .insert(spec.name.clone());
+        let name = spec.name.clone();
         self.nodes.insert(
             spec.name.clone(),
             Node {
@@ -364,6 +365,7 @@ impl ClusterState {
                 drained,
             },
         );
+        self.refresh_node_free(&name);
         Outcome::NodeRegistered
     }
 
@@ -612,6 +614,12 @@ impl ClusterState {
         if let Some(job) = self.jobs.get_mut(&p.job) {
             job.allocations = ids;
         }
+        let mut nodes: Vec<&str> = p.tasks.iter().map(|t| t.node.as_str()).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        for node in nodes {
+            self.refresh_node_free(node);
+        }
         let nodes: Vec<&str> = p.tasks.iter().map(|t| t.node.as_str()).collect();
         let reason = format!("placed on {}", nodes.join(","));
         self.transition(p.job, JobState::Scheduled, &reason, at, index);
@@ -662,6 +670,7 @@ impl ClusterState {
             }
         }
         index_allocation(&mut self.index, &self.jobs, &rec.allocation, false);
+        self.refresh_node_free(&rec.allocation.node);
         let job_id = rec.allocation.job;
         // Fair share: the GPU-seconds this task held count against its tenant.
         if let Some(job) = self.jobs.get(&job_id) {
@@ -836,6 +845,7 @@ impl ClusterState {
         // The allocation on an unhealthy GPU is not released here: the agent stops the process
         // and reports the exit, and only then is the GPU free (never two processes on a GPU).
         g.health = health.clone();
+        self.refresh_node_free(node);
         Outcome::Done
     }
 

@@ -7,6 +7,7 @@ mod apply;
 #[cfg(test)]
 mod apply_tests;
 pub mod command;
+pub mod free;
 #[cfg(test)]
 mod proptests;
 pub mod types;
@@ -86,6 +87,11 @@ pub struct Indexes {
     /// Hardware class → the nodes of that class: "could any node ever run this?" looks at one
     /// node per class instead of every node.
     pub class_nodes: BTreeMap<u64, BTreeSet<String>>,
+    /// Node → its free resources (CPU, memory, GPU milli and memory, MIG slices).
+    pub node_free: BTreeMap<String, free::NodeFree>,
+    /// Tenant → (milli-GPU of its live allocations, Σ milli × created_at): what running work
+    /// has used so far is `now × first − second`, without visiting every allocation.
+    pub tenant_running: BTreeMap<String, (u64, u128)>,
 }
 
 /// Fingerprint of what a node's hardware offers the scheduler (not its health or usage).
@@ -225,6 +231,34 @@ impl ClusterState {
             index_allocation(&mut index, &self.jobs, &rec.allocation, true);
         }
         self.index = index;
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        for name in names {
+            self.refresh_node_free(&name);
+        }
+    }
+
+    /// Recomputes one node's free resources from its capacity, health and live allocations.
+    pub fn refresh_node_free(&mut self, name: &str) {
+        let Some(node) = self.nodes.get(name) else {
+            self.index.node_free.remove(name);
+            return;
+        };
+        let mut free = free::NodeFree::capacity(node);
+        for rec in self.allocations_on(name) {
+            if let Some(job) = self.jobs.get(&rec.allocation.job) {
+                free.remove_allocation(node, job, rec);
+            }
+        }
+        self.index.node_free.insert(name.to_owned(), free);
+    }
+
+    /// GPU-seconds a tenant's live allocations have used up to `now`.
+    pub fn running_gpu_seconds(&self, tenant: &str, now: Timestamp) -> f64 {
+        let Some(&(milli, weighted)) = self.index.tenant_running.get(tenant) else {
+            return 0.0;
+        };
+        let milli_ms = (u128::from(now) * u128::from(milli)).saturating_sub(weighted);
+        milli_ms as f64 / (MILLI_PER_GPU as f64 * 1000.0)
     }
 
     pub fn total_gpus(&self) -> usize {
@@ -323,6 +357,22 @@ pub(crate) fn index_allocation(
     if let Some(job) = jobs.get(&allocation.job)
         && job.spec.gpu_milli_per_task() > 0
     {
+        let milli = job.spec.gpu_milli_per_task();
+        let weighted = u128::from(milli) * u128::from(allocation.created_at);
+        let running = index
+            .tenant_running
+            .entry(job.spec.tenant.clone())
+            .or_default();
+        if add {
+            running.0 += milli;
+            running.1 += weighted;
+        } else {
+            running.0 = running.0.saturating_sub(milli);
+            running.1 = running.1.saturating_sub(weighted);
+            if running.0 == 0 {
+                index.tenant_running.remove(&job.spec.tenant);
+            }
+        }
         let milli = job.spec.gpu_milli_per_task();
         let held = index
             .tenant_held_milli

@@ -62,6 +62,44 @@ fn count_fit(placer: &Placer, idx: NodeIdx, free: &NodeFree, shape: &Shape, max:
     (count, f)
 }
 
+/// A lower bound of when a node could hold one task of `shape`: the first release after which
+/// its free GPU units (whole GPUs, or MIG slices), counting every released GPU as whole again,
+/// reach what the task needs. Shapes without GPUs, and shares: `now` (no bound).
+fn earliest_by_units(
+    state: &ClusterState,
+    placer: &Placer,
+    idx: NodeIdx,
+    releases: &[Release],
+    shape: &Shape,
+    now: Timestamp,
+) -> Timestamp {
+    let free = &placer.fleet.nodes[idx as usize].free;
+    let need = u64::from(shape.gpus);
+    let mut units = if shape.mig_profile.is_some() {
+        u64::from(free.mig_free.count_ones())
+    } else {
+        free.milli().iter().filter(|&&m| m >= 1000).count() as u64
+    };
+    // Shares may fit on a partly used GPU: no bound from whole GPUs.
+    if need == 0 || units >= need || shape.gpu_milli > 0 {
+        return now;
+    }
+    for r in releases {
+        units += match &r.kind {
+            ReleaseKind::Allocation(id) => state
+                .allocations
+                .get(id)
+                .map_or(0, |rec| rec.allocation.gpus.len() as u64),
+            ReleaseKind::Planned(_, Units::Gpus(g)) => g.len() as u64,
+            ReleaseKind::Planned(_, Units::Slices(s)) => s.len() as u64,
+        };
+        if units >= need {
+            return r.at;
+        }
+    }
+    Timestamp::MAX
+}
+
 /// Finds the head job's reservation and holds its nodes in the placer. `planned`: tasks placed
 /// earlier in this pass, with their node and end time.
 pub fn reserve(
@@ -110,8 +148,26 @@ pub fn reserve(
     // Per node, the step function "tasks that fit from time t on".
     let mut steps: Vec<(Timestamp, NodeIdx, u32)> = Vec::new();
     let mut free_at: BTreeMap<NodeIdx, Vec<(Timestamp, NodeFree)>> = BTreeMap::new();
-    for (idx, mut rel) in releases {
-        rel.sort_by_key(|r| r.at);
+    // A one-task job needs one node: visit nodes by a cheap lower bound of when they could hold
+    // it (GPU units alone) and stop once no unvisited node can beat the earliest exact time.
+    let mut order: Vec<(Timestamp, NodeIdx, Vec<Release>)> = releases
+        .into_iter()
+        .map(|(idx, mut rel)| {
+            rel.sort_by_key(|r| r.at);
+            let bound = if tasks == 1 {
+                earliest_by_units(state, placer, idx, &rel, shape, now)
+            } else {
+                now
+            };
+            (bound, idx, rel)
+        })
+        .collect();
+    order.sort_by_key(|(bound, idx, _)| (*bound, *idx));
+    let mut earliest: Option<Timestamp> = None;
+    for (bound, idx, rel) in order {
+        if tasks == 1 && earliest.is_some_and(|e| bound > e) {
+            break;
+        }
         let n = &placer.fleet.nodes[idx as usize];
         let mut free = n.free.clone();
         let mut last = count_fit(placer, idx, &free, shape, tasks).0;
@@ -139,6 +195,7 @@ pub fn reserve(
                 last = count;
             }
             if count >= tasks {
+                earliest = Some(earliest.map_or(at, |e| e.min(at)));
                 break;
             }
         }

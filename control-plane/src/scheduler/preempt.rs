@@ -104,9 +104,29 @@ pub fn select(
             .unwrap_or_else(|| placer.fleet.nodes[idx as usize].free.clone())
     };
     for _ in 0..head.spec.tasks {
-        // The node where this task needs the cheapest extra victims.
+        // The node where this task needs the cheapest extra victims. Nodes are visited by the
+        // cost of their cheapest victim (a lower bound of what the node costs), so the search
+        // stops as soon as no unvisited node can beat the best found.
+        let mut order: Vec<(u64, NodeIdx)> = victims_on
+            .iter()
+            .map(|(&idx, list)| {
+                let cheapest = list
+                    .iter()
+                    .filter(|v| !chosen.contains(v))
+                    .map(|v| costs[v])
+                    .min()
+                    .unwrap_or(u64::MAX);
+                let lower = if overlay.contains_key(&idx) { 0 } else { cheapest };
+                (lower, idx)
+            })
+            .collect();
+        order.sort_unstable();
         let mut best: Option<(u64, usize, NodeIdx, Vec<JobId>)> = None;
-        for (&idx, list) in &victims_on {
+        for (lower, idx) in order {
+            if best.as_ref().is_some_and(|b| lower > b.0) {
+                break;
+            }
+            let list = &victims_on[&idx];
             let n = &placer.fleet.nodes[idx as usize];
             let mut free = free_of(&overlay, idx);
             let mut extra = Vec::new();

@@ -274,7 +274,10 @@ impl ReplicaArgs {
                             .or(file.aging_step_secs)
                             .unwrap_or(Defaults::AGING_STEP_SECS)
                             .max(1),
-                    backfill: self.backfill.or(file.backfill).unwrap_or(Defaults::BACKFILL),
+                    backfill: self
+                        .backfill
+                        .or(file.backfill)
+                        .unwrap_or(Defaults::BACKFILL),
                     preemption: self
                         .preemption
                         .or(file.preemption)
@@ -285,9 +288,13 @@ impl ReplicaArgs {
                         .unwrap_or_else(|| Defaults::PLACEMENT_SCORE.to_owned())
                         .parse::<crate::scheduler::ScorePolicy>()
                     {
-                        Ok(p @ (crate::scheduler::ScorePolicy::Fgd
-                        | crate::scheduler::ScorePolicy::BestFit)) => p,
-                        Ok(_) => bail!("--placement-score random-fit is for the simulator only; use fgd or best-fit"),
+                        Ok(
+                            p @ (crate::scheduler::ScorePolicy::Fgd
+                            | crate::scheduler::ScorePolicy::BestFit),
+                        ) => p,
+                        Ok(_) => bail!(
+                            "--placement-score random-fit is for the simulator only; use fgd or best-fit"
+                        ),
                         Err(e) => bail!("--placement-score: {e}"),
                     },
                     ..crate::scheduler::Policy::default()

@@ -191,11 +191,15 @@ fn open_sled(path: &Path) -> Result<sled::Db, String> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
     loop {
         match open_sled_once(path) {
-            Err(e) if e.contains("could not acquire lock") && std::time::Instant::now() < deadline => {
+            Err(e)
+                if e.contains("could not acquire lock") && std::time::Instant::now() < deadline =>
+            {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
             Err(e) if e.contains("could not acquire lock") => {
-                return Err(format!("{e} (is another control-plane process using this data directory?)"));
+                return Err(format!(
+                    "{e} (is another control-plane process using this data directory?)"
+                ));
             }
             other => return other,
         }

@@ -94,7 +94,12 @@ pub fn fleet(driver: &mut Driver, hosts: usize) -> anyhow::Result<()> {
     ];
     let mut specs = Vec::new();
     for (preset, partition) in templates {
-        specs.push(node_from_preset(preset, "template", Some(partition), BTreeMap::new())?);
+        specs.push(node_from_preset(
+            preset,
+            "template",
+            Some(partition),
+            BTreeMap::new(),
+        )?);
     }
     for i in 0..hosts {
         let t = match i % 10 {
@@ -158,8 +163,16 @@ pub fn mixed_jobs(n: usize, seed: u64, first_id: u64) -> Vec<JobSpec> {
             tasks,
             priority_class: priority.into(),
             time_limit_secs: Some(limits[rng.below(4) as usize]),
-            cpu_milli_per_task: if gpus == 0 { 4000 } else { 2000 * u64::from(gpus) },
-            memory_mib_per_task: if gpus == 0 { 16_384 } else { 32_768 * u64::from(gpus) },
+            cpu_milli_per_task: if gpus == 0 {
+                4000
+            } else {
+                2000 * u64::from(gpus)
+            },
+            memory_mib_per_task: if gpus == 0 {
+                16_384
+            } else {
+                32_768 * u64::from(gpus)
+            },
             gpu_milli: milli,
             preemptible: rng.below(4) == 0,
             ..JobSpec::default()

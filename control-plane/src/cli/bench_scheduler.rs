@@ -120,8 +120,15 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                 text += &format!(
                     "{hosts:>7} {jobs:>7} {label:>6} {min:>9.1} {p50:>9.1} {max:>9.1} {:>7} {:>6} {:>6}\n",
                     plan.placements.len(),
-                    if plan.reservation.is_some() { "yes" } else { "no" },
-                    plan.preemptions.iter().map(|p| p.victims.len()).sum::<usize>(),
+                    if plan.reservation.is_some() {
+                        "yes"
+                    } else {
+                        "no"
+                    },
+                    plan.preemptions
+                        .iter()
+                        .map(|p| p.victims.len())
+                        .sum::<usize>(),
                 );
                 rows.push(json!({
                     "hosts": hosts,

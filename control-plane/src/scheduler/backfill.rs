@@ -45,10 +45,16 @@ enum ReleaseKind {
 }
 
 /// How many tasks of `shape` fit on a node with `free`, up to `max`.
-fn count_fit(placer: &Placer, idx: NodeIdx, free: &NodeFree, shape: &Shape, max: u32) -> (u32, NodeFree) {
+fn count_fit(
+    placer: &Placer,
+    idx: NodeIdx,
+    free: &NodeFree,
+    shape: &Shape,
+    max: u32,
+) -> (u32, NodeFree) {
     let n = &placer.fleet.nodes[idx as usize];
     let fit_only = Scorer::fit_only();
-    let mut f = free.clone();
+    let mut f = *free;
     let mut count = 0;
     while count < max {
         match evaluate_node(&fit_only, n, &f, shape) {
@@ -124,10 +130,11 @@ pub fn reserve(
             let end = if rec.stop_requested || owner.ending.is_some() {
                 Some(now)
             } else {
-                owner
-                    .spec
-                    .time_limit_secs
-                    .map(|s| rec.allocation.created_at.saturating_add(s.saturating_mul(1000)))
+                owner.spec.time_limit_secs.map(|s| {
+                    rec.allocation
+                        .created_at
+                        .saturating_add(s.saturating_mul(1000))
+                })
             };
             if let Some(at) = end {
                 releases.entry(i as NodeIdx).or_default().push(Release {
@@ -169,9 +176,9 @@ pub fn reserve(
             break;
         }
         let n = &placer.fleet.nodes[idx as usize];
-        let mut free = n.free.clone();
+        let mut free = n.free;
         let mut last = count_fit(placer, idx, &free, shape, tasks).0;
-        let mut timeline = vec![(now, free.clone())];
+        let mut timeline = vec![(now, free)];
         let mut i = 0;
         while i < rel.len() {
             let at = rel[i].at;
@@ -189,7 +196,7 @@ pub fn reserve(
                 i += 1;
             }
             let count = count_fit(placer, idx, &free, shape, tasks).0;
-            timeline.push((at, free.clone()));
+            timeline.push((at, free));
             if count != last {
                 steps.push((at, idx, count));
                 last = count;
@@ -255,11 +262,14 @@ pub fn reserve(
         let at_start = free_at
             .get(&idx)
             .and_then(|t| t.iter().rev().find(|(at, _)| *at <= start))
-            .map(|(_, f)| f.clone())
-            .unwrap_or_else(|| placer.fleet.nodes[idx as usize].free.clone());
+            .map(|(_, f)| *f)
+            .unwrap_or_else(|| placer.fleet.nodes[idx as usize].free);
         let (_, shadow) = count_fit(placer, idx, &at_start, shape, here);
         placer.fleet.reserve(idx, shadow);
-        nodes.insert(placer.fleet.nodes[idx as usize].node.spec.name.clone(), here);
+        nodes.insert(
+            placer.fleet.nodes[idx as usize].node.spec.name.clone(),
+            here,
+        );
     }
     Some(Reservation {
         job: job.id,

@@ -357,8 +357,14 @@ mod tests {
         let w = Workload::from_demands([demand(1_000, 1_024, 1, 600), demand(1, 1, 0, 0)]);
         assert_eq!(fragmentation(&node(16_000, 65_536, &[]), &w), 0.0);
         assert_eq!(fragmentation(&node(16_000, 65_536, &[0, 0]), &w), 0.0);
-        assert_eq!(task_fragmentation(&node(0, 0, &[0]), &demand(1, 1, 1, 5)), 0);
-        assert_eq!(fragmentation(&node(16_000, 65_536, &GPUS), &Workload::default()), 0.0);
+        assert_eq!(
+            task_fragmentation(&node(0, 0, &[0]), &demand(1, 1, 1, 5)),
+            0
+        );
+        assert_eq!(
+            fragmentation(&node(16_000, 65_536, &GPUS), &Workload::default()),
+            0.0
+        );
     }
 
     #[test]

@@ -185,7 +185,8 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
                     break;
                 }
                 let started = std::time::Instant::now();
-                plan.reservation = backfill::reserve(state, &mut placer, job, &shape, now, &planned);
+                plan.reservation =
+                    backfill::reserve(state, &mut placer, job, &shape, now, &planned);
                 stats.reserve_us = started.elapsed().as_micros() as u64;
                 head = Some((job, shape));
             }

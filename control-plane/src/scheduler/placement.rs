@@ -123,7 +123,12 @@ fn scaled(score: f64) -> i64 {
 }
 
 /// Whether a task of `shape` fits on the node `n` with free resources `free`, and where.
-pub fn evaluate_node(sc: &Scorer, n: &FleetNode, free: &NodeFree, shape: &Shape) -> Option<TaskFit> {
+pub fn evaluate_node(
+    sc: &Scorer,
+    n: &FleetNode,
+    free: &NodeFree,
+    shape: &Shape,
+) -> Option<TaskFit> {
     let node = n.node;
     if let Some(p) = &shape.partition
         && node.spec.partition.as_deref() != Some(p.as_str())
@@ -141,9 +146,14 @@ pub fn evaluate_node(sc: &Scorer, n: &FleetNode, free: &NodeFree, shape: &Shape)
     let mut view = [0u32; MAX_GPUS];
     let view = &mut view[..free.gpus as usize];
     for (pos, v) in view.iter_mut().enumerate() {
-        let mut m = if model_ok(pos) { free.gpu_milli[pos] } else { 0 };
+        let mut m = if model_ok(pos) {
+            free.gpu_milli[pos]
+        } else {
+            0
+        };
         if shape.is_share() {
-            let want = share_memory_for(shape.gpu_milli, shape.gpu_memory_mib, gpus[pos].memory_mib);
+            let want =
+                share_memory_for(shape.gpu_milli, shape.gpu_memory_mib, gpus[pos].memory_mib);
             if free.gpu_memory_mib[pos] < want {
                 m = 0;
             }
@@ -218,7 +228,12 @@ fn weakest_link(ranks: &[Vec<u32>], set: &[u32]) -> u32 {
 
 /// The best-connected set of `k` free GPUs that all sit on one NUMA node. GPUs whose NUMA node
 /// is unknown count as one node only if no pair among them crosses sockets (`SYS`).
-fn single_numa_set(node: &Node, ranks: &[Vec<u32>], candidates: &[u32], k: usize) -> Option<Vec<u32>> {
+fn single_numa_set(
+    node: &Node,
+    ranks: &[Vec<u32>],
+    candidates: &[u32],
+    k: usize,
+) -> Option<Vec<u32>> {
     let mut by_numa: BTreeMap<Option<u32>, Vec<u32>> = BTreeMap::new();
     for &c in candidates {
         by_numa
@@ -252,9 +267,23 @@ fn evaluate_mig(
     let mut per_numa: BTreeMap<Option<u32>, BTreeMap<u8, Vec<u8>>> = BTreeMap::new();
     for (g, s) in free.slices() {
         let gpu = &node.spec.gpus[g as usize];
-        if model_ok(g as usize) && gpu.mig.get(s as usize).is_some_and(|m| m.profile == profile) {
-            let numa = if shape.single_numa { gpu.numa_node } else { None };
-            per_numa.entry(numa).or_default().entry(g).or_default().push(s);
+        if model_ok(g as usize)
+            && gpu
+                .mig
+                .get(s as usize)
+                .is_some_and(|m| m.profile == profile)
+        {
+            let numa = if shape.single_numa {
+                gpu.numa_node
+            } else {
+                None
+            };
+            per_numa
+                .entry(numa)
+                .or_default()
+                .entry(g)
+                .or_default()
+                .push(s);
         }
     }
     let k = shape.gpus as usize;
@@ -456,10 +485,12 @@ impl<'a> Placer<'a> {
             let n = &self.fleet.nodes[idx as usize];
             let view = match (&n.shadow, long) {
                 (Some(shadow), true) => n.free.min(shadow),
-                _ => n.free.clone(),
+                _ => n.free,
             };
             if let Some(fit) = evaluate_node(&self.scorer, n, &view, shape)
-                && best.as_ref().is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
+                && best
+                    .as_ref()
+                    .is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
             {
                 best = Some((fit.key, idx, fit));
             }
@@ -490,16 +521,15 @@ impl<'a> Placer<'a> {
 
     fn snapshot(&self, idx: NodeIdx) -> (NodeIdx, NodeFree, Option<NodeFree>) {
         let n = &self.fleet.nodes[idx as usize];
-        (idx, n.free.clone(), n.shadow.clone())
+        (idx, n.free, n.shadow)
     }
 
     /// Places all `tasks` tasks of a shape or none: a gang across hosts prefers one rack.
     pub fn place(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
-        if tasks > 1 && self.fleet.has_racks {
-            if let Some(placed) = self.place_in_one_rack(shape, tasks, long) {
+        if tasks > 1 && self.fleet.has_racks
+            && let Some(placed) = self.place_in_one_rack(shape, tasks, long) {
                 return Some(placed);
             }
-        }
         let mut undo = Vec::new();
         let mut placed = Vec::with_capacity(tasks as usize);
         for _ in 0..tasks {
@@ -516,7 +546,10 @@ impl<'a> Placer<'a> {
 
     /// How many tasks of `shape` fit on a node of group `g` (up to `max`), cached per group.
     fn tasks_per_node(&mut self, shape: &Shape, g: GroupId, max: u32) -> u32 {
-        let ranking = self.rankings.get_mut(shape).expect("ranking synced by the caller");
+        let ranking = self
+            .rankings
+            .get_mut(shape)
+            .expect("ranking synced by the caller");
         if let Some(&n) = ranking.capacity.get(&(g, max)) {
             return n;
         }
@@ -539,10 +572,19 @@ impl<'a> Placer<'a> {
     /// their racks; the first rack whose credited nodes can hold every task is tried (a few at
     /// most), so the gang lands where the fleet fits it best while staying in one rack. None
     /// when no rack is found this way.
-    fn place_in_one_rack(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
+    fn place_in_one_rack(
+        &mut self,
+        shape: &Shape,
+        tasks: u32,
+        long: bool,
+    ) -> Option<Vec<PlacedTask>> {
         const MAX_TRIALS: usize = 8;
         self.ranking(shape);
-        let groups: Vec<GroupId> = self.rankings[shape].ranked.iter().map(|(_, g)| *g).collect();
+        let groups: Vec<GroupId> = self.rankings[shape]
+            .ranked
+            .iter()
+            .map(|(_, g)| *g)
+            .collect();
         let mut credit: BTreeMap<&str, u32> = BTreeMap::new();
         let mut tried = 0;
         for g in groups {
@@ -550,7 +592,11 @@ impl<'a> Placer<'a> {
             if per_node == 0 {
                 continue;
             }
-            let members: Vec<NodeIdx> = self.fleet.groups[g as usize].members.iter().copied().collect();
+            let members: Vec<NodeIdx> = self.fleet.groups[g as usize]
+                .members
+                .iter()
+                .copied()
+                .collect();
             for idx in members {
                 let Some(rack) = self.fleet.nodes[idx as usize].rack else {
                     continue;
@@ -576,7 +622,13 @@ impl<'a> Placer<'a> {
     }
 
     /// Places every task on nodes of one rack, best node first, or nothing.
-    fn try_rack(&mut self, shape: &Shape, tasks: u32, long: bool, rack: &str) -> Option<Vec<PlacedTask>> {
+    fn try_rack(
+        &mut self,
+        shape: &Shape,
+        tasks: u32,
+        long: bool,
+        rack: &str,
+    ) -> Option<Vec<PlacedTask>> {
         let nodes = self.fleet.rack_nodes.get(rack).cloned().unwrap_or_default();
         let mut undo = Vec::new();
         let mut placed = Vec::new();
@@ -593,7 +645,9 @@ impl<'a> Placer<'a> {
                     ranking.eval(&self.fleet, &self.scorer, shape, g).cloned()
                 };
                 if let Some(fit) = fit
-                    && pick.as_ref().is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
+                    && pick
+                        .as_ref()
+                        .is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
                 {
                     pick = Some((fit.key, idx, fit.units));
                 }

@@ -52,10 +52,11 @@ pub fn select(
         .tenant_held_milli
         .iter()
         .filter(|(t, held)| {
-            **held > state
-                .tenants
-                .get(t.as_str())
-                .map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU)
+            **held
+                > state
+                    .tenants
+                    .get(t.as_str())
+                    .map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU)
         })
         .map(|(t, _)| t.as_str())
         .collect();
@@ -75,7 +76,10 @@ pub fn select(
         let reclaimable = reclaiming
             && job.spec.tenant != head.spec.tenant
             && borrowing.contains(job.spec.tenant.as_str());
-        if !(lower || reclaimable) || job.id == head.id || state.check_preemption(head, job.id).is_err() {
+        if !(lower || reclaimable)
+            || job.id == head.id
+            || state.check_preemption(head, job.id).is_err()
+        {
             continue;
         }
         costs.insert(job.id, cost(state, job, now));
@@ -101,7 +105,7 @@ pub fn select(
         overlay
             .get(&idx)
             .cloned()
-            .unwrap_or_else(|| placer.fleet.nodes[idx as usize].free.clone())
+            .unwrap_or_else(|| placer.fleet.nodes[idx as usize].free)
     };
     for _ in 0..head.spec.tasks {
         // The node where this task needs the cheapest extra victims. Nodes are visited by the
@@ -116,7 +120,11 @@ pub fn select(
                     .map(|v| costs[v])
                     .min()
                     .unwrap_or(u64::MAX);
-                let lower = if overlay.contains_key(&idx) { 0 } else { cheapest };
+                let lower = if overlay.contains_key(&idx) {
+                    0
+                } else {
+                    cheapest
+                };
                 (lower, idx)
             })
             .collect();
@@ -152,7 +160,10 @@ pub fn select(
                 continue;
             }
             let candidate = (extra_cost, extra.len(), idx, extra);
-            if best.as_ref().is_none_or(|b| (candidate.0, candidate.1, candidate.2) < (b.0, b.1, b.2)) {
+            if best
+                .as_ref()
+                .is_none_or(|b| (candidate.0, candidate.1, candidate.2) < (b.0, b.1, b.2))
+            {
                 best = Some(candidate);
             }
         }

@@ -108,8 +108,14 @@ pub fn expected_gpu_seconds(job: &Job) -> f64 {
 impl<'a> Queue<'a> {
     /// The pending jobs whose dependencies are met, at most `limit` of them (the oldest of each
     /// level first).
-    pub fn build(state: &'a ClusterState, now: Timestamp, aging_step_ms: u64, limit: usize) -> Queue<'a> {
-        let mut by_level: Vec<Vec<(Timestamp, &'a Job)>> = vec![Vec::new(); AGED_LEVEL as usize + 1];
+    pub fn build(
+        state: &'a ClusterState,
+        now: Timestamp,
+        aging_step_ms: u64,
+        limit: usize,
+    ) -> Queue<'a> {
+        let mut by_level: Vec<Vec<(Timestamp, &'a Job)>> =
+            vec![Vec::new(); AGED_LEVEL as usize + 1];
         for job in state.pending_jobs() {
             if !dependencies_met(state, job) {
                 continue;
@@ -156,7 +162,7 @@ impl<'a> Queue<'a> {
                     });
                 }
             }
-            for (&tenant, _) in &level.tenants {
+            for &tenant in level.tenants.keys() {
                 let share = usage.get(tenant).copied().unwrap_or(0.0) / weights[tenant];
                 shares.insert(tenant, share);
                 level.heap.push(Reverse((Share(share), tenant)));

@@ -299,11 +299,12 @@ fn score_and_pick(
                     if m < need || node.gpu_milli[..i].contains(&m) {
                         continue;
                     }
-                    let after = with_taken(node, demand, Pick::One(i), |n| {
-                        fragmentation(n, workload)
-                    });
+                    let after =
+                        with_taken(node, demand, Pick::One(i), |n| fragmentation(n, workload));
                     let mut delta = after - before;
-                    if quantize() { delta = -((1.0 / (1.0 + (delta / 1000.0).exp())) * 100.0).trunc(); }
+                    if quantize() {
+                        delta = -((1.0 / (1.0 + (delta / 1000.0).exp())) * 100.0).trunc();
+                    }
                     if best.is_none_or(|(b, _)| delta < b) {
                         best = Some((delta, i));
                     }
@@ -433,6 +434,11 @@ impl SplitMix64 {
     }
 }
 
+pub fn quantize() -> bool {
+    static Q: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *Q.get_or_init(|| std::env::var("FRAG_QUANT").is_ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,14 +510,18 @@ mod tests {
         //              GPU 1 -> [1000, 300, 400]: 0.5 × 0 + 0.5 × 700 = 350.
         //              GPU 2 -> [1000, 650, 50]:  0.5 × 50 + 0.5 × 700 = 375.
         // FGD takes GPU 1 (-175); best-fit the tightest, GPU 2.
-        let w = Workload::from_demands([demand(1_000, 1_024, 1, 300), demand(1_000, 1_024, 1, 1000)]);
+        let w =
+            Workload::from_demands([demand(1_000, 1_024, 1, 300), demand(1_000, 1_024, 1, 1000)]);
         let gpus = [1000, 650, 400];
         let n = node(16_000, 65_536, "T4", &gpus);
         let d = demand(1_000, 1_024, 1, 350);
         let c = evaluate(&ScorePolicy::Fgd, &n, &d, &w, 0).unwrap();
         assert_eq!(c.gpus, vec![1]);
         assert!((c.score - -175.0).abs() < 1e-9, "{}", c.score);
-        assert_eq!(evaluate_score(&ScorePolicy::Fgd, &n, &d, &w, 0), Some(c.score));
+        assert_eq!(
+            evaluate_score(&ScorePolicy::Fgd, &n, &d, &w, 0),
+            Some(c.score)
+        );
         let b = evaluate(&ScorePolicy::BestFit, &n, &d, &w, 0).unwrap();
         assert_eq!(b.gpus, vec![2]);
     }
@@ -537,12 +547,19 @@ mod tests {
         let w = Workload::from_demands([demand(0, 0, 1, 1000)]);
         let gpus = [500, 1000, 0, 1000, 1000];
         let n = node(1_000, 1_000, "T4", &gpus);
-        for p in [ScorePolicy::Fgd, ScorePolicy::BestFit, ScorePolicy::RandomFit { seed: 3 }] {
+        for p in [
+            ScorePolicy::Fgd,
+            ScorePolicy::BestFit,
+            ScorePolicy::RandomFit { seed: 3 },
+        ] {
             let c = evaluate(&p, &n, &demand(0, 0, 2, 1000), &w, 7).unwrap();
             assert_eq!(c.gpus, vec![1, 3], "{p}");
             let c = evaluate(&p, &n, &demand(10, 10, 0, 0), &w, 7).unwrap();
             assert!(c.gpus.is_empty(), "{p}");
-            assert!(evaluate(&p, &n, &demand(0, 0, 4, 1000), &w, 7).is_none(), "{p}");
+            assert!(
+                evaluate(&p, &n, &demand(0, 0, 4, 1000), &w, 7).is_none(),
+                "{p}"
+            );
         }
         // FGD: two whole GPUs out of three leaves 500 + 1000 usable by a whole-GPU task (500
         // lost, unchanged) -> 0.
@@ -586,7 +603,10 @@ mod tests {
         assert_eq!(c.gpus, vec![1]);
         // ... and a whole-GPU task where it does not break up a clean node when it can help it:
         // both are equal for FGD here (the 500 is lost either way), so the first wins.
-        assert_eq!(pick(&ScorePolicy::Fgd, &nodes, &demand(0, 0, 1, 1000), &w, 0), Some(0));
+        assert_eq!(
+            pick(&ScorePolicy::Fgd, &nodes, &demand(0, 0, 1, 1000), &w, 0),
+            Some(0)
+        );
     }
 
     #[test]
@@ -621,11 +641,24 @@ mod tests {
         // versus 0.5 × 24000/128000 = 0.09375 -> node 1 leaves less.
         assert_eq!(pick(&ScorePolicy::BestFit, &nodes, &d, &w, 0), Some(1));
         let s1 = evaluate_score(&ScorePolicy::BestFit, &nodes[1], &d, &w, 0).unwrap();
-        let expected = 0.5 * 1000.0 / 8000.0 + 0.5 * 31_000.0 / 128_000.0 + 1e-3 * 130_048.0 / 1_048_576.0;
+        let expected =
+            0.5 * 1000.0 / 8000.0 + 0.5 * 31_000.0 / 128_000.0 + 1e-3 * 130_048.0 / 1_048_576.0;
         assert!((s1 - expected).abs() < 1e-12);
         // Infeasible nodes are skipped.
-        assert_eq!(pick(&ScorePolicy::BestFit, &nodes, &demand(9_000, 0, 3, 1000), &w, 0), Some(0));
-        assert_eq!(pick(&ScorePolicy::BestFit, &nodes, &demand(0, 0, 5, 1000), &w, 0), None);
+        assert_eq!(
+            pick(
+                &ScorePolicy::BestFit,
+                &nodes,
+                &demand(9_000, 0, 3, 1000),
+                &w,
+                0
+            ),
+            Some(0)
+        );
+        assert_eq!(
+            pick(&ScorePolicy::BestFit, &nodes, &demand(0, 0, 5, 1000), &w, 0),
+            None
+        );
     }
 
     #[test]
@@ -713,9 +746,4 @@ mod tests {
         // Reference value of SplitMix64 seeded with 0.
         assert_eq!(SplitMix64::new(0).next_u64(), 0xe220_a839_7b1d_cdaf);
     }
-}
-
-pub fn quantize() -> bool {
-    static Q: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *Q.get_or_init(|| std::env::var("FRAG_QUANT").is_ok())
 }

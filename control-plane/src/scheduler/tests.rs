@@ -393,7 +393,10 @@ impl World {
             driver: String::new(),
             incarnation: String::new(),
         };
-        assert_eq!(self.apply(Command::RegisterNode { spec }), Outcome::NodeRegistered);
+        assert_eq!(
+            self.apply(Command::RegisterNode { spec }),
+            Outcome::NodeRegistered
+        );
     }
 
     fn tenant(&mut self, name: &str, weight: u32, quota: u32, max: u32) {
@@ -438,7 +441,10 @@ impl World {
                 victims: p.victims.clone(),
                 reason: String::new(),
             }) {
-                Outcome::Preempted { accepted: a, rejected } => {
+                Outcome::Preempted {
+                    accepted: a,
+                    rejected,
+                } => {
                     assert!(rejected.is_empty(), "{rejected:?}");
                     accepted.extend(a);
                 }
@@ -506,7 +512,10 @@ fn a_share_never_exceeds_the_gpus_memory() {
     let b = big(&mut w);
     let p = w.schedule();
     assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![a]);
-    assert!(w.state.jobs[&b].allocations.is_empty(), "50 GB + 50 GB > 80 GB");
+    assert!(
+        w.state.jobs[&b].allocations.is_empty(),
+        "50 GB + 50 GB > 80 GB"
+    );
 }
 
 #[test]
@@ -541,7 +550,11 @@ fn mig_slices_are_scheduled_as_units() {
     });
     let whole = w.submit(job(1));
     let p = w.schedule();
-    let of = |id: u64| p.iter().find(|x| x.job == id).unwrap().tasks[0].gpus.clone();
+    let of = |id: u64| {
+        p.iter().find(|x| x.job == id).unwrap().tasks[0]
+            .gpus
+            .clone()
+    };
     let s = of(slices);
     assert_eq!(s.len(), 3);
     assert!(s.iter().all(|u| u.starts_with("MIG-m-0-")), "{s:?}");
@@ -557,7 +570,10 @@ fn mig_slices_are_scheduled_as_units() {
         mig_profile: Some("1g.10gb".into()),
         ..job(1)
     });
-    assert!(w.schedule().iter().all(|x| x.job != too_many), "all 7 slices are held");
+    assert!(
+        w.schedule().iter().all(|x| x.job != too_many),
+        "all 7 slices are held"
+    );
 }
 
 #[test]
@@ -582,10 +598,18 @@ SYS SYS NODE X";
         ..job(2)
     });
     w.schedule();
-    assert_eq!(w.state.jobs[&b].allocations.len(), 1, "a same-socket pair was free");
+    assert_eq!(
+        w.state.jobs[&b].allocations.len(),
+        1,
+        "a same-socket pair was free"
+    );
     let held: Vec<String> = [a, b]
         .iter()
-        .flat_map(|j| w.state.allocations_of(*j).flat_map(|r| r.allocation.gpus.clone()))
+        .flat_map(|j| {
+            w.state
+                .allocations_of(*j)
+                .flat_map(|r| r.allocation.gpus.clone())
+        })
         .collect();
     assert_eq!(held.len(), 3);
     let strict = w.submit(JobSpec {
@@ -679,14 +703,20 @@ fn aging_bounds_the_wait_of_low_priority_work() {
     // After three aging steps the low job has reached the aged level; a high job submitted
     // now is only at level 2 and waits behind it.
     let later = w.now() + 3 * step;
-    assert_eq!(queue::level(&w.state.jobs[&low], 0, later, step), queue::AGED_LEVEL);
+    assert_eq!(
+        queue::level(&w.state.jobs[&low], 0, later, step),
+        queue::AGED_LEVEL
+    );
     let mut old_state = w.state.clone();
     let fresh_high = {
         let spec = JobSpec {
             priority_class: "high".into(),
             ..job(1)
         };
-        match old_state.apply(&Command::submit(spec, None), later, w.index + 1).outcome {
+        match old_state
+            .apply(&Command::submit(spec, None), later, w.index + 1)
+            .outcome
+        {
             Outcome::JobSubmitted { id, .. } => id,
             other => panic!("{other:?}"),
         }
@@ -730,8 +760,22 @@ fn fair_share_alternates_tenants_and_favours_light_users() {
     let order = queue_order(&w.state, w.now());
     // The light tenant goes first; within a tenant, submission order.
     assert_eq!(order[0], l[0]);
-    assert_eq!(order.iter().filter(|j| h.contains(j)).copied().collect::<Vec<_>>(), h);
-    assert_eq!(order.iter().filter(|j| l.contains(j)).copied().collect::<Vec<_>>(), l);
+    assert_eq!(
+        order
+            .iter()
+            .filter(|j| h.contains(j))
+            .copied()
+            .collect::<Vec<_>>(),
+        h
+    );
+    assert_eq!(
+        order
+            .iter()
+            .filter(|j| l.contains(j))
+            .copied()
+            .collect::<Vec<_>>(),
+        l
+    );
 }
 
 #[test]
@@ -790,9 +834,18 @@ fn backfill_starts_short_jobs_but_never_delays_the_head_job() {
     });
     let no_limit = w.submit(job(1));
     let plan = plan(&w.state, w.now());
-    let r = plan.reservation.clone().expect("the head job gets a reservation");
+    let r = plan
+        .reservation
+        .clone()
+        .expect("the head job gets a reservation");
     assert_eq!(r.job, head);
-    let created = w.state.allocations_of(running).next().unwrap().allocation.created_at;
+    let created = w
+        .state
+        .allocations_of(running)
+        .next()
+        .unwrap()
+        .allocation
+        .created_at;
     assert_eq!(r.start_at, created + 3600 * 1000);
     assert_eq!(r.nodes.get("n"), Some(&1));
     let placed: Vec<u64> = plan.placements.iter().map(|p| p.job).collect();
@@ -825,7 +878,10 @@ fn backfill_lets_long_jobs_use_what_the_reservation_leaves() {
     let spare = w.submit(job(1));
     let p = plan(&w.state, w.now());
     assert_eq!(p.reservation.as_ref().map(|r| r.job), Some(head));
-    assert_eq!(p.placements.iter().map(|x| x.job).collect::<Vec<_>>(), vec![spare]);
+    assert_eq!(
+        p.placements.iter().map(|x| x.job).collect::<Vec<_>>(),
+        vec![spare]
+    );
     let _ = running;
 }
 
@@ -871,7 +927,11 @@ fn a_high_priority_job_preempts_the_cheapest_low_priority_work() {
     // While the victim stops, no more victims are chosen.
     assert!(plan(&w.state, w.now()).preemptions.is_empty());
     w.exit_all_of(young, TaskOutcome::Stopped);
-    assert_eq!(w.state.jobs[&young].state, crate::state::JobState::Pending, "requeued, not lost");
+    assert_eq!(
+        w.state.jobs[&young].state,
+        crate::state::JobState::Pending,
+        "requeued, not lost"
+    );
     let p = w.schedule();
     assert_eq!(p[0].job, high);
     assert!(!w.state.jobs[&old].allocations.is_empty());
@@ -927,7 +987,12 @@ fn a_tenant_reclaims_its_guaranteed_quota_from_borrowers() {
     assert_eq!(p.preemptions.len(), 1);
     assert_eq!(p.preemptions[0].for_job, mine);
     assert_eq!(p.preemptions[0].victims.len(), 2);
-    assert!(p.preemptions[0].victims.iter().all(|v| borrowed.contains(v)));
+    assert!(
+        p.preemptions[0]
+            .victims
+            .iter()
+            .all(|v| borrowed.contains(v))
+    );
     // Beyond its quota the owner reclaims nothing.
     let mut w2 = World::new();
     w2.node("n", 4, "A100", "", None);
@@ -978,12 +1043,20 @@ fn a_dependency_that_can_never_be_met_fails_the_job() {
     let failed = &w.state.jobs[&after_ok];
     assert_eq!(failed.state, crate::state::JobState::Failed);
     assert!(
-        failed.history.last().unwrap().reason.contains("can never be satisfied"),
+        failed
+            .history
+            .last()
+            .unwrap()
+            .reason
+            .contains("can never be satisfied"),
         "{:?}",
         failed.history
     );
     // afterany is satisfied by the failure: the chain continues.
-    assert_eq!(w.state.jobs[&chained].state, crate::state::JobState::Pending);
+    assert_eq!(
+        w.state.jobs[&chained].state,
+        crate::state::JobState::Pending
+    );
     let p = w.schedule();
     assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![chained]);
     // Submitting against an already failed job fails at once, with the reason.

@@ -164,7 +164,9 @@ impl ClusterState {
                     .gpus
                     .iter()
                     .filter(|g| model_ok(g) && g.mig.is_empty())
-                    .filter(|g| !spec.is_share() || share_memory_mib(spec, g.memory_mib) <= g.memory_mib)
+                    .filter(|g| {
+                        !spec.is_share() || share_memory_mib(spec, g.memory_mib) <= g.memory_mib
+                    })
                     .count(),
             }
         };
@@ -581,7 +583,14 @@ impl ClusterState {
                 let gpu_memory = task
                     .gpus
                     .first()
-                    .and_then(|u| self.nodes.get(&task.node)?.spec.gpus.iter().find(|g| &g.uuid == u))
+                    .and_then(|u| {
+                        self.nodes
+                            .get(&task.node)?
+                            .spec
+                            .gpus
+                            .iter()
+                            .find(|g| &g.uuid == u)
+                    })
                     .map_or(0, |g| g.memory_mib);
                 (spec.gpu_milli, share_memory_mib(&spec, gpu_memory))
             } else {
@@ -805,10 +814,8 @@ impl ClusterState {
             return Outcome::Rejected(Rejection::not_found(format!("node {name} does not exist")));
         };
         node.status = NodeStatus::Down;
-        let on_node: Vec<AllocationId> = self
-            .allocations_on(name)
-            .map(|r| r.allocation.id)
-            .collect();
+        let on_node: Vec<AllocationId> =
+            self.allocations_on(name).map(|r| r.allocation.id).collect();
         let reason = if reason.is_empty() {
             "node lost"
         } else {
@@ -850,7 +857,10 @@ impl ClusterState {
     }
 
     fn jobs_on_node(&self, node: &str) -> Vec<JobId> {
-        let mut jobs: Vec<JobId> = self.allocations_on(node).map(|r| r.allocation.job).collect();
+        let mut jobs: Vec<JobId> = self
+            .allocations_on(node)
+            .map(|r| r.allocation.job)
+            .collect();
         jobs.sort_unstable();
         jobs.dedup();
         jobs
@@ -1116,7 +1126,7 @@ pub fn share_memory_for(milli: u32, requested: u64, gpu_memory_mib: u64) -> u64 
 }
 
 fn milli_as_gpus(milli: u64) -> String {
-    if milli % MILLI_PER_GPU == 0 {
+    if milli.is_multiple_of(MILLI_PER_GPU) {
         (milli / MILLI_PER_GPU).to_string()
     } else {
         format!("{:.3}", milli as f64 / MILLI_PER_GPU as f64)

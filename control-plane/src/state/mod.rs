@@ -17,10 +17,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use command::{
     Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
 };
-pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use types::*;
 
 /// Extra per-allocation bookkeeping that only the state machine needs.
@@ -141,7 +141,8 @@ impl ClusterState {
     /// GPUs held by live allocations of a tenant's jobs (stopping ones included: they still
     /// occupy the cards), in whole GPUs, rounded up.
     pub fn gpus_held_by_tenant(&self, tenant: &str) -> u64 {
-        self.gpu_milli_held_by_tenant(tenant).div_ceil(MILLI_PER_GPU)
+        self.gpu_milli_held_by_tenant(tenant)
+            .div_ceil(MILLI_PER_GPU)
     }
 
     /// GPU capacity held by a tenant's live allocations, in milli-GPU.
@@ -298,7 +299,10 @@ impl ClusterState {
         }
         for (gpu, shares) in &self.index.gpu_shares {
             if shares.milli > MILLI_PER_GPU as u32 {
-                return Err(format!("GPU {gpu} carries {} milli of shares", shares.milli));
+                return Err(format!(
+                    "GPU {gpu} carries {} milli of shares",
+                    shares.milli
+                ));
             }
             if self.gpu_holder.contains_key(gpu) {
                 return Err(format!("GPU {gpu} is both shared and held whole"));

@@ -177,8 +177,10 @@ impl JobSpec {
             return u64::from(self.gpu_milli);
         }
         let per_gpu = match &self.mig_profile {
-            Some(p) => mig_compute_slices(p).unwrap_or(MIG_COMPUTE_SLICES) * MILLI_PER_GPU
-                / MIG_COMPUTE_SLICES,
+            Some(p) => {
+                mig_compute_slices(p).unwrap_or(MIG_COMPUTE_SLICES) * MILLI_PER_GPU
+                    / MIG_COMPUTE_SLICES
+            }
             None => MILLI_PER_GPU,
         };
         u64::from(self.gpus_per_task) * per_gpu

@@ -526,10 +526,12 @@ impl<'a> Placer<'a> {
 
     /// Places all `tasks` tasks of a shape or none: a gang across hosts prefers one rack.
     pub fn place(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
-        if tasks > 1 && self.fleet.has_racks
-            && let Some(placed) = self.place_in_one_rack(shape, tasks, long) {
-                return Some(placed);
-            }
+        if tasks > 1
+            && self.fleet.has_racks
+            && let Some(placed) = self.place_in_one_rack(shape, tasks, long)
+        {
+            return Some(placed);
+        }
         let mut undo = Vec::new();
         let mut placed = Vec::with_capacity(tasks as usize);
         for _ in 0..tasks {

@@ -48,25 +48,7 @@ const PARTITIONS: [&str; 2] = ["pa", "pb"];
 const PRIORITIES: [&str; 3] = ["low", "normal", "high"];
 const MIG_PROFILE: &str = "1g.10gb";
 
-const DGX1: &str = "X NV1 NV1 NV2 NV2 SYS SYS SYS
-NV1 X NV2 NV1 SYS NV2 SYS SYS
-NV1 NV2 X NV2 SYS SYS NV1 SYS
-NV2 NV1 NV2 X SYS SYS SYS NV1
-NV2 SYS SYS SYS X NV1 NV1 NV2
-SYS NV2 SYS SYS NV1 X NV2 NV1
-SYS SYS NV1 SYS NV1 NV2 X NV2
-SYS SYS SYS NV1 NV2 NV1 NV2 X";
-
-const A100_PAIRS: &str = "X NV12 SYS SYS
-NV12 X SYS SYS
-SYS SYS X NV12
-SYS SYS NV12 X";
-
-fn matrix(text: &str) -> Vec<Vec<String>> {
-    text.lines()
-        .map(|l| l.split_whitespace().map(str::to_owned).collect())
-        .collect()
-}
+use super::tests::{A100_PAIRS, DGX1, matrix};
 
 /// `cases`, times `SCHEDULER_PROPTEST_SCALE` when set (for longer searches by hand).
 fn config(cases: u32) -> ProptestConfig {

@@ -7,7 +7,7 @@ use crate::state::{
     Command, Dependency, DependencyKind, Gpu, GpuHealth, JobSpec, NodeSpec, Outcome, TaskOutcome,
 };
 
-const DGX1: &str = "X NV1 NV1 NV2 NV2 SYS SYS SYS
+pub(super) const DGX1: &str = "X NV1 NV1 NV2 NV2 SYS SYS SYS
 NV1 X NV2 NV1 SYS NV2 SYS SYS
 NV1 NV2 X NV2 SYS SYS NV1 SYS
 NV2 NV1 NV2 X SYS SYS SYS NV1
@@ -16,12 +16,18 @@ SYS NV2 SYS SYS NV1 X NV2 NV1
 SYS SYS NV1 SYS NV1 NV2 X NV2
 SYS SYS SYS NV1 NV2 NV1 NV2 X";
 
-const A100_PAIRS: &str = "X NV12 SYS SYS
+pub(super) const A100_PAIRS: &str = "X NV12 SYS SYS
 NV12 X SYS SYS
 SYS SYS X NV12
 SYS SYS NV12 X";
 
-fn matrix(text: &str) -> Vec<Vec<String>> {
+/// Four GPUs, two per socket.
+const TWO_SOCKETS: &str = "X NODE SYS SYS
+NODE X SYS SYS
+SYS SYS X NODE
+SYS SYS NODE X";
+
+pub(super) fn matrix(text: &str) -> Vec<Vec<String>> {
     text.lines()
         .map(|l| l.split_whitespace().map(str::to_owned).collect())
         .collect()
@@ -579,17 +585,13 @@ fn mig_slices_are_scheduled_as_units() {
 #[test]
 fn a_single_numa_job_waits_rather_than_span_sockets() {
     let mut w = World::new();
-    const FOUR: &str = "X NODE SYS SYS
-NODE X SYS SYS
-SYS SYS X NODE
-SYS SYS NODE X";
     let gpus = vec![
         gpu("s", 0, Some(0)),
         gpu("s", 1, Some(0)),
         gpu("s", 2, Some(1)),
         gpu("s", 3, Some(1)),
     ];
-    w.node_with("s", gpus, FOUR, &[]);
+    w.node_with("s", gpus, TWO_SOCKETS, &[]);
     // Hold one GPU on each socket.
     let a = w.submit(job(1));
     w.schedule();
@@ -625,17 +627,13 @@ SYS SYS NODE X";
 #[test]
 fn a_single_numa_pair_is_refused_when_only_a_cross_socket_pair_is_free() {
     let mut w = World::new();
-    const FOUR: &str = "X NODE SYS SYS
-NODE X SYS SYS
-SYS SYS X NODE
-SYS SYS NODE X";
     let gpus = vec![
         gpu("s", 0, Some(0)),
         gpu("s", 1, Some(0)),
         gpu("s", 2, Some(1)),
         gpu("s", 3, Some(1)),
     ];
-    w.node_with("s", gpus, FOUR, &[]);
+    w.node_with("s", gpus, TWO_SOCKETS, &[]);
     let hold = w.submit(job(1));
     let hold2 = w.submit(job(1));
     w.schedule();

@@ -23,6 +23,7 @@ pub mod raft;
 pub mod replica;
 pub mod scheduler;
 pub mod server;
+pub mod sim;
 pub mod state;
 pub mod synthetic;
 pub mod telemetry;

@@ -9,6 +9,7 @@ mod dev;
 mod node;
 pub mod output;
 pub mod parse;
+pub mod replay;
 mod submit;
 
 use std::time::Duration;
@@ -116,6 +117,9 @@ pub enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
+    /// Time-based replay of a workload through the scheduler (moves under `simulate`).
+    #[command(hide = true)]
+    Replay(replay::ReplayArgs),
     /// Run one control-plane replica (what `gpuctl dev` starts; same flags as `control-plane`).
     #[command(hide = true)]
     Replica(ReplicaArgs),
@@ -231,6 +235,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
             return node_agent::agent::cli::run_agent_process(args, exe, vec!["shim".into()]);
         }
         Command::Bench { command, keep_data } => return bench::run(command, keep_data, cli.output),
+        Command::Replay(args) => return replay::run(args, cli.output),
         _ => {}
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -351,7 +356,11 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Logs { job, tail } => node::logs(&mut client, job, tail).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,
-        Command::Dev(_) | Command::Replica(_) | Command::Agent(_) | Command::Bench { .. } => {
+        Command::Dev(_)
+        | Command::Replica(_)
+        | Command::Agent(_)
+        | Command::Bench { .. }
+        | Command::Replay(_) => {
             unreachable!("handled before the runtime starts")
         }
     }

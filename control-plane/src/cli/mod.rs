@@ -10,6 +10,7 @@ mod node;
 pub mod output;
 pub mod parse;
 pub mod replay;
+mod simulate;
 mod submit;
 
 use std::time::Duration;
@@ -117,9 +118,11 @@ pub enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
-    /// Time-based replay of a workload through the scheduler (moves under `simulate`).
-    #[command(hide = true)]
-    Replay(replay::ReplayArgs),
+    /// Trace-driven simulations of the scheduling policy, in this process (no cluster needed).
+    Simulate {
+        #[command(subcommand)]
+        command: simulate::SimulateCommand,
+    },
     /// Run one control-plane replica (what `gpuctl dev` starts; same flags as `control-plane`).
     #[command(hide = true)]
     Replica(ReplicaArgs),
@@ -235,7 +238,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
             return node_agent::agent::cli::run_agent_process(args, exe, vec!["shim".into()]);
         }
         Command::Bench { command, keep_data } => return bench::run(command, keep_data, cli.output),
-        Command::Replay(args) => return replay::run(args, cli.output),
+        Command::Simulate { command } => return simulate::run(command, cli.output),
         _ => {}
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -360,7 +363,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         | Command::Replica(_)
         | Command::Agent(_)
         | Command::Bench { .. }
-        | Command::Replay(_) => {
+        | Command::Simulate { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }

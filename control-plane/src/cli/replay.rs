@@ -1,4 +1,4 @@
-//! `gpuctl replay`: the time-based replay (`sim::replay`) of a synthetic workload or of the
+//! `gpuctl simulate replay`: the time-based replay (`sim::replay`) of a synthetic workload or of the
 //! public trace, once per policy × backfill setting, side by side: a table, or JSON (one
 //! object on the last line), and optionally an SVG plot.
 

@@ -51,7 +51,12 @@ impl TaskType {
 pub struct Workload {
     /// Most frequent first (ties: smaller CPU, then GPU milli, GPUs, memory, models).
     types: Vec<TaskType>,
+    /// Each type's weight in fixed point (units of 2^-32), what `fragmentation` sums with.
+    units: Vec<u64>,
 }
+
+/// Fixed-point scale of the weights in `fragmentation`.
+const WEIGHT_SCALE: f64 = (1u64 << 32) as f64;
 
 /// The key identical demands share.
 type TypeKey = (u64, u32, u32, u64, Vec<String>);
@@ -103,7 +108,15 @@ impl Workload {
             .collect();
         // The BTreeMap order is the tie-break (a stable sort keeps it).
         types.sort_by(|a, b| b.weight.total_cmp(&a.weight));
-        Workload { types }
+        Workload::with_types(types)
+    }
+
+    fn with_types(types: Vec<TaskType>) -> Workload {
+        let units = types
+            .iter()
+            .map(|t| (t.weight * WEIGHT_SCALE).round() as u64)
+            .collect();
+        Workload { types, units }
     }
 
     /// The most frequent types that together make up at least `coverage` (0..=1) of the tasks,
@@ -123,7 +136,7 @@ impl Workload {
         for t in &mut kept {
             t.weight /= cumulative;
         }
-        Workload { types: kept }
+        Workload::with_types(kept)
     }
 
     pub fn types(&self) -> &[TaskType] {
@@ -205,16 +218,23 @@ pub fn task_fragmentation(node: &NodeResources, task: &Demand) -> u64 {
 
 /// Expected GPU milli on `node` that a task drawn from `workload` could not use:
 /// `Σ weight × task_fragmentation`. Zero on a node without free GPU milli.
+///
+/// Computed in fixed point (weights rounded to multiples of 2^-32, exact integer sums), so the
+/// result is exact and placements whose fragmentation changes by the same amount get exactly
+/// equal scores: float rounding must not break ties between nodes (it would, systematically,
+/// in favour of particular node states).
 pub fn fragmentation(node: &NodeResources, workload: &Workload) -> f64 {
     let total = node.free_gpu_milli();
     if total == 0 {
         return 0.0;
     }
-    let mut frag = 0.0;
-    for t in &workload.types {
-        let amount = if t.gpus == 0 || t.milli_per_gpu == 0 {
-            total
-        } else if node.cpu_milli < t.cpu_milli
+    let mut frag: u128 = 0;
+    for (t, &units) in workload.types.iter().zip(&workload.units) {
+        // A CPU-only task can use none of the free GPU capacity; a task that cannot run here at
+        // all (CPU, memory, model) neither.
+        let amount = if t.gpus == 0
+            || t.milli_per_gpu == 0
+            || node.cpu_milli < t.cpu_milli
             || node.memory_mib < t.memory_mib
             || !(t.models.is_empty() || t.models.iter().any(|m| m == node.model))
         {
@@ -233,9 +253,10 @@ pub fn fragmentation(node: &NodeResources, workload: &Workload) -> f64 {
             }
             if fitting >= t.gpus { unusable } else { total }
         };
-        frag += t.weight * amount as f64;
+        frag += u128::from(units) * u128::from(amount);
     }
-    frag
+    // Exact below 2^53, i.e. for nodes with less than about two million free milli.
+    frag as f64 / WEIGHT_SCALE
 }
 
 #[cfg(test)]

@@ -301,10 +301,7 @@ fn score_and_pick(
                     }
                     let after =
                         with_taken(node, demand, Pick::One(i), |n| fragmentation(n, workload));
-                    let mut delta = after - before;
-                    if quantize() {
-                        delta = -((1.0 / (1.0 + (delta / 1000.0).exp())) * 100.0).trunc();
-                    }
+                    let delta = after - before;
                     if best.is_none_or(|(b, _)| delta < b) {
                         best = Some((delta, i));
                     }
@@ -432,11 +429,6 @@ impl SplitMix64 {
         assert!(n > 0, "SplitMix64::below(0)");
         below(self.next_u64(), n)
     }
-}
-
-pub fn quantize() -> bool {
-    static Q: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *Q.get_or_init(|| std::env::var("FRAG_QUANT").is_ok())
 }
 
 #[cfg(test)]

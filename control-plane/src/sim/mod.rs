@@ -1,5 +1,20 @@
-//! Simulation: replaying workloads through the real scheduler and state machine.
+//! Trace-driven simulation of the scheduling policy, on the scheduler's own code: no replicas,
+//! no network, deterministic per seed.
+//!
+//! - `trace`: loading the node and pod lists of the Alibaba GPU trace (FGD paper).
+//! - `fragmentation`: the FGD paper's fragmentation experiment — tasks arrive until 130% of
+//!   GPU capacity is requested; how much of the capacity each policy manages to allocate. It
+//!   drives `scheduler::score` directly, the scoring `plan()` uses.
+//! - `svg`: the allocation curves as a plain SVG plot.
+//! - `replay`, `workload`, `replay_svg`: a time-based replay through the real state machine
+//!   and `plan_with` (arrivals, durations, time limits, priorities, tenants, gangs,
+//!   dependencies), with a synthetic workload generator, and its plot.
+//!
+//! `gpuctl simulate fragmentation` and `gpuctl simulate replay` are the command-line front ends.
 
+pub mod fragmentation;
 pub mod replay;
 pub mod replay_svg;
+pub mod svg;
+pub mod trace;
 pub mod workload;

@@ -1,0 +1,210 @@
+//! `gpuctl simulate`: trace-driven simulations of the scheduler's placement policies, run in
+//! this process (no cluster needed).
+//!
+//! - `fragmentation`: the FGD paper's experiment on the Alibaba GPU trace: tasks arrive until
+//!   their GPU requests reach 130% of capacity; how much capacity each policy allocates.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use serde_json::json;
+
+use super::output::{Format, table};
+use crate::scheduler::score::ScorePolicy;
+use crate::sim::fragmentation::{self, Config, Report};
+use crate::sim::{svg, trace};
+
+#[derive(clap::Subcommand)]
+pub enum SimulateCommand {
+    /// Fragmentation experiment of the FGD paper (USENIX ATC '23): allocated GPU share as tasks
+    /// sampled from a pod list arrive, per placement policy, averaged over seeds.
+    Fragmentation(FragmentationArgs),
+    /// Time-based replay through the state machine and scheduler: queueing delay, job
+    /// completion time, GPU utilization and unallocatable share, with and without backfill.
+    Replay(super::replay::ReplayArgs),
+}
+
+#[derive(clap::Args)]
+pub struct FragmentationArgs {
+    /// Node list CSV (`sn,cpu_milli,memory_mib,gpu,model`), e.g. the trace's
+    /// `openb_node_list_gpu_node.csv`.
+    #[arg(long, value_name = "NODES.csv")]
+    pub nodes: PathBuf,
+    /// Pod list CSV (`name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,...`), e.g.
+    /// `openb_pod_list_default.csv`.
+    #[arg(long, value_name = "PODS.csv")]
+    pub pods: PathBuf,
+    /// Number of seeds (runs per policy); seeds are consecutive from --first-seed.
+    #[arg(long, default_value_t = 10)]
+    pub seeds: u64,
+    #[arg(long, default_value_t = 42)]
+    pub first_seed: u64,
+    /// Placement policies to compare, comma-separated: random-fit, best-fit, fgd.
+    #[arg(long, value_delimiter = ',', default_value = "random-fit,best-fit,fgd")]
+    pub policies: Vec<ScorePolicy>,
+    /// Tasks arrive until their GPU requests reach this percentage of GPU capacity.
+    #[arg(long, default_value_t = 130, value_name = "PERCENT")]
+    pub arrivals: u32,
+    /// Share of the pod list's tasks (most frequent types first) in FGD's target workload, in
+    /// percent; 100 keeps every task type.
+    #[arg(long, default_value_t = 95.0, value_name = "PERCENT")]
+    pub workload_coverage: f64,
+    /// Stop each run after this many tasks (quick smoke runs).
+    #[arg(long)]
+    pub max_tasks: Option<usize>,
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Also write the allocation curves as an SVG plot to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+pub fn run(command: SimulateCommand, fmt: Format) -> anyhow::Result<()> {
+    match command {
+        SimulateCommand::Fragmentation(args) => fragmentation(args, fmt),
+        SimulateCommand::Replay(args) => super::replay::run(args, fmt),
+    }
+}
+
+fn fragmentation(args: FragmentationArgs, fmt: Format) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let nodes = trace::load_nodes(&args.nodes)?;
+    let pods = trace::load_pods(&args.pods)?;
+    let config = Config {
+        seeds: (args.first_seed..args.first_seed.saturating_add(args.seeds)).collect(),
+        policies: args.policies,
+        arrivals_pct: args.arrivals,
+        workload_coverage: args.workload_coverage / 100.0,
+        max_tasks: args.max_tasks,
+        threads: args.threads,
+    };
+    let report = fragmentation::run(&nodes, &pods, &config)?;
+    let wall = started.elapsed().as_secs_f64();
+    if let Some(path) = &args.plot {
+        std::fs::write(path, plot(&report))
+            .with_context(|| format!("writing the plot to {}", path.display()))?;
+    }
+    match fmt {
+        Format::Json => {
+            let mut v = report.to_json();
+            v["wall_s"] = json!((wall * 1000.0).round() / 1000.0);
+            if let Some(path) = &args.plot {
+                v["plot"] = json!(path.display().to_string());
+            }
+            println!("{v}");
+        }
+        Format::Table => print!("{}", text(&report, wall, args.plot.as_ref())),
+    }
+    Ok(())
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.1}%"))
+}
+
+fn text(report: &Report, wall: f64, plot: Option<&PathBuf>) -> String {
+    let c = &report.config;
+    let runs = report.policies.first().map_or(0, |p| p.runs.len().max(1));
+    let tasks = report
+        .policies
+        .first()
+        .map_or(0, |p| p.runs.iter().map(|r| r.tasks).sum::<usize>() / runs);
+    let mut out = format!(
+        "cluster: {} nodes, {} GPUs; pod list: {} task types, FGD workload: {} typical types \
+         ({}% of tasks)\n{} seeds ({}..{}), about {} tasks per run, arrivals up to {}% of GPU \
+         capacity\n\n",
+        report.nodes,
+        report.gpus,
+        report.task_types,
+        report.workload_types,
+        c.workload_coverage * 100.0,
+        c.seeds.len(),
+        c.seeds.first().copied().unwrap_or(0),
+        c.seeds.last().copied().unwrap_or(0),
+        tasks,
+        c.arrivals_pct,
+    );
+    let end = c.arrivals_pct as usize;
+    let end_header = format!("ALLOCATED@{end}%");
+    let rows: Vec<Vec<String>> = report
+        .policies
+        .iter()
+        .map(|p| {
+            let at_end: Vec<f64> = p.runs.iter().filter_map(|r| r.allocated_at(end)).collect();
+            let (lo, hi) = at_end
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+                    (a.min(x), b.max(x))
+                });
+            let failed: usize = p.runs.iter().map(|r| r.failed).sum();
+            vec![
+                p.policy.name().to_owned(),
+                pct(p.mean_at(100)),
+                pct(p.mean_at(end)),
+                if at_end.is_empty() {
+                    "-".into()
+                } else {
+                    format!("{lo:.1}-{hi:.1}%")
+                },
+                format!("{:.0}", failed as f64 / p.runs.len().max(1) as f64),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &[
+            "POLICY",
+            "ALLOCATED@100%",
+            &end_header,
+            "RANGE OVER SEEDS",
+            "FAILED TASKS/RUN",
+        ],
+        &rows,
+    ));
+    out.push_str(
+        "\nALLOCATED@N%: GPU capacity allocated once arrived GPU requests reach N% of it \
+         (mean over seeds).\n",
+    );
+    if let Some(path) = plot {
+        out.push_str(&format!("plot: {}\n", path.display()));
+    }
+    out.push_str(&format!("wall time: {wall:.1} s\n"));
+    out
+}
+
+fn plot(report: &Report) -> String {
+    let x_max = f64::from(report.config.arrivals_pct);
+    let series: Vec<svg::Series> = report
+        .policies
+        .iter()
+        .map(|p| svg::Series {
+            name: p.policy.name(),
+            points: p
+                .mean_curve()
+                .into_iter()
+                .enumerate()
+                .map(|(k, y)| (k as f64, y))
+                .collect(),
+        })
+        .collect();
+    let title = format!(
+        "GPU allocation as tasks arrive ({} nodes, {} GPUs, mean of {} seeds)",
+        report.nodes,
+        report.gpus,
+        report.config.seeds.len()
+    );
+    svg::allocation_plot(
+        &svg::Axes {
+            title: &title,
+            x_label: "arrived GPU requests (% of GPU capacity)",
+            y_label: "allocated GPU (% of capacity)",
+            x_max,
+            y_min: 0.0,
+            y_max: 100.0,
+            x_step: if x_max > 60.0 { 10.0 } else { 5.0 },
+            y_step: 10.0,
+        },
+        &series,
+    )
+}

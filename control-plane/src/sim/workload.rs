@@ -43,7 +43,7 @@ fn unit(rng: &mut SplitMix64) -> f64 {
 
 /// `n` jobs offering `load` × `capacity_gpus` of GPU work per unit of time.
 pub fn synthetic(n: usize, capacity_gpus: usize, load: f64, seed: u64) -> Vec<TraceJob> {
-    let mut rng = SplitMix64::new(seed ^ 0x5eed_0f_7ace);
+    let mut rng = SplitMix64::new(seed ^ 0x005e_ed0f_7ace);
     let mut jobs = Vec::with_capacity(n);
     let mut last_of_tenant: [Option<usize>; 8] = [None; 8];
     for i in 0..n {

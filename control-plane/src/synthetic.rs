@@ -155,32 +155,11 @@ pub fn mixed_jobs(n: usize, seed: u64, first_id: u64) -> Vec<JobSpec> {
             _ => "high",
         };
         let limits = [600, 3600, 4 * 3600, 24 * 3600];
-        let mut spec = JobSpec {
-            tenant: format!("t{}", rng.below(8)),
-            name: format!("job-{i}"),
-            command: vec!["train".into()],
-            gpus_per_task: gpus,
-            tasks,
-            priority_class: priority.into(),
-            time_limit_secs: Some(limits[rng.below(4) as usize]),
-            cpu_milli_per_task: if gpus == 0 {
-                4000
-            } else {
-                2000 * u64::from(gpus)
-            },
-            memory_mib_per_task: if gpus == 0 {
-                16_384
-            } else {
-                32_768 * u64::from(gpus)
-            },
-            gpu_milli: milli,
-            preemptible: rng.below(4) == 0,
-            ..JobSpec::default()
-        };
-        if spec.gpu_milli > 0 {
-            spec.cpu_milli_per_task = 1000;
-            spec.memory_mib_per_task = 8192;
-        }
+        let tenant = rng.below(8);
+        let limit = limits[rng.below(4) as usize];
+        let preemptible = rng.below(4) == 0;
+        let mut spec = job_spec(i, tenant, (gpus, tasks, milli), priority, limit);
+        spec.preemptible = preemptible;
         // One job in twenty waits for the one before it.
         if i > 0 && rng.below(20) == 0 {
             spec.dependencies = vec![Dependency {
@@ -191,6 +170,37 @@ pub fn mixed_jobs(n: usize, seed: u64, first_id: u64) -> Vec<JobSpec> {
         jobs.push(spec);
     }
     jobs
+}
+
+/// A job of the synthetic mixes: `shape` is (GPUs per task, tasks, share milli); CPU and
+/// memory follow the GPUs (2 CPUs and 32 GiB per GPU; shares 1 CPU and 8 GiB; CPU-only jobs
+/// 4 CPUs and 16 GiB).
+pub fn job_spec(
+    i: usize,
+    tenant: u64,
+    shape: (u32, u32, u32),
+    priority: &str,
+    limit_s: u64,
+) -> JobSpec {
+    let (gpus, tasks, milli) = shape;
+    let (cpu, memory) = match (gpus, milli) {
+        (0, _) => (4000, 16_384),
+        (_, 1..) => (1000, 8192),
+        (g, _) => (2000 * u64::from(g), 32_768 * u64::from(g)),
+    };
+    JobSpec {
+        tenant: format!("t{tenant}"),
+        name: format!("job-{i}"),
+        command: vec!["train".into()],
+        gpus_per_task: gpus,
+        tasks,
+        priority_class: priority.into(),
+        time_limit_secs: Some(limit_s),
+        cpu_milli_per_task: cpu,
+        memory_mib_per_task: memory,
+        gpu_milli: milli,
+        ..JobSpec::default()
+    }
 }
 
 /// Submits jobs and returns their ids.

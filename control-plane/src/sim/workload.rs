@@ -72,32 +72,10 @@ pub fn synthetic(n: usize, capacity_gpus: usize, load: f64, seed: u64) -> Vec<Tr
         };
         let limit_s = ((duration_ms as f64 * factor / 1000.0 / 60.0).ceil() as u64).max(1) * 60;
         let tenant = rng.below(8) as usize;
-        let mut spec = JobSpec {
-            tenant: format!("t{tenant}"),
-            name: format!("job-{i}"),
-            command: vec!["train".into()],
-            gpus_per_task: gpus,
-            tasks,
-            priority_class: priority.into(),
-            time_limit_secs: Some(limit_s),
-            cpu_milli_per_task: if gpus == 0 {
-                4000
-            } else {
-                2000 * u64::from(gpus)
-            },
-            memory_mib_per_task: if gpus == 0 {
-                16_384
-            } else {
-                32_768 * u64::from(gpus)
-            },
-            gpu_milli: milli,
-            preemptible: rng.below(4) == 0,
-            ..JobSpec::default()
-        };
-        if milli > 0 {
-            spec.cpu_milli_per_task = 1000;
-            spec.memory_mib_per_task = 8192;
-        }
+        let preemptible = rng.below(4) == 0;
+        let mut spec =
+            crate::synthetic::job_spec(i, tenant as u64, (gpus, tasks, milli), priority, limit_s);
+        spec.preemptible = preemptible;
         // One job in twelve waits for its tenant's previous job.
         let after = if rng.below(12) == 0 {
             last_of_tenant[tenant]

@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::fleet::{NodeFree, NodeIdx};
+use super::fleet::{FastMap, GroupId, NodeFree, NodeIdx};
 use super::placement::{Placer, Scorer, Shape, Units, evaluate_node, give_back, take};
-use crate::state::{ClusterState, Job, JobId, Timestamp};
+use crate::state::{AllocationRecord, ClusterState, Job, JobId, Timestamp};
 
 /// The head job's reservation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -32,16 +32,16 @@ pub fn end_if_started(job: &Job, now: Timestamp) -> Option<Timestamp> {
 }
 
 /// A release of resources at a known time on a node.
-struct Release {
+struct Release<'s> {
     at: Timestamp,
-    kind: ReleaseKind,
+    kind: ReleaseKind<'s>,
 }
 
-enum ReleaseKind {
-    /// A live allocation (by id) ends.
-    Allocation(u64),
+enum ReleaseKind<'s> {
+    /// A live allocation ends (with its job, so nothing is looked up again).
+    Allocation(&'s AllocationRecord, &'s Job),
     /// A task placed earlier in this pass ends.
-    Planned(Shape, Units),
+    Planned(&'s Shape, &'s Units),
 }
 
 /// How many tasks of `shape` fit on a node with `free`, up to `max`.
@@ -72,7 +72,6 @@ fn count_fit(
 /// its free GPU units (whole GPUs, or MIG slices), counting every released GPU as whole again,
 /// reach what the task needs. Shapes without GPUs, and shares: `now` (no bound).
 fn earliest_by_units(
-    state: &ClusterState,
     placer: &Placer,
     idx: NodeIdx,
     releases: &[Release],
@@ -92,10 +91,7 @@ fn earliest_by_units(
     }
     for r in releases {
         units += match &r.kind {
-            ReleaseKind::Allocation(id) => state
-                .allocations
-                .get(id)
-                .map_or(0, |rec| rec.allocation.gpus.len() as u64),
+            ReleaseKind::Allocation(rec, _) => rec.allocation.gpus.len() as u64,
             ReleaseKind::Planned(_, Units::Gpus(g)) => g.len() as u64,
             ReleaseKind::Planned(_, Units::Slices(s)) => s.len() as u64,
         };
@@ -108,61 +104,72 @@ fn earliest_by_units(
 
 /// Finds the head job's reservation and holds its nodes in the placer. `planned`: tasks placed
 /// earlier in this pass, with their node and end time.
-pub fn reserve(
-    state: &ClusterState,
+pub fn reserve<'s>(
+    state: &'s ClusterState,
     placer: &mut Placer,
     job: &Job,
     shape: &Shape,
     now: Timestamp,
-    planned: &[(NodeIdx, Option<Timestamp>, Shape, Units)],
+    planned: &'s [(NodeIdx, Option<Timestamp>, Shape, Units)],
 ) -> Option<Reservation> {
     let tasks = job.spec.tasks;
-    // Releases per node, in time order.
-    let mut releases: BTreeMap<NodeIdx, Vec<Release>> = BTreeMap::new();
-    for (i, n) in placer.fleet.nodes.iter().enumerate() {
-        if n.shadow.is_some() {
+    // Releases per node, in time order: one walk over the live allocations (a job's are
+    // usually adjacent, so its owner is looked up once).
+    // Indexed by node: dense, so no map lookups per allocation.
+    let mut releases: Vec<Vec<Release<'s>>> = Vec::new();
+    releases.resize_with(placer.fleet.nodes.len(), Vec::new);
+    let mut owner: Option<&Job> = None;
+    for rec in state.allocations.values() {
+        if owner.is_none_or(|o| o.id != rec.allocation.job) {
+            owner = state.jobs.get(&rec.allocation.job);
+        }
+        let Some(o) = owner.filter(|o| o.id == rec.allocation.job) else {
+            continue;
+        };
+        let Some(&idx) = placer.fleet.index_of.get(rec.allocation.node.as_str()) else {
+            continue;
+        };
+        if placer.fleet.nodes[idx as usize].shadow.is_some() {
             continue;
         }
-        for rec in state.allocations_on(&n.node.spec.name) {
-            let Some(owner) = state.jobs.get(&rec.allocation.job) else {
-                continue;
-            };
-            let end = if rec.stop_requested || owner.ending.is_some() {
-                Some(now)
-            } else {
-                owner.spec.time_limit_secs.map(|s| {
-                    rec.allocation
-                        .created_at
-                        .saturating_add(s.saturating_mul(1000))
-                })
-            };
-            if let Some(at) = end {
-                releases.entry(i as NodeIdx).or_default().push(Release {
-                    at: at.max(now),
-                    kind: ReleaseKind::Allocation(rec.allocation.id),
-                });
-            }
+        let end = if rec.stop_requested || o.ending.is_some() {
+            Some(now)
+        } else {
+            o.spec.time_limit_secs.map(|s| {
+                rec.allocation
+                    .created_at
+                    .saturating_add(s.saturating_mul(1000))
+            })
+        };
+        if let Some(at) = end {
+            releases[idx as usize].push(Release {
+                at: at.max(now),
+                kind: ReleaseKind::Allocation(rec, o),
+            });
         }
     }
     for (idx, end, s, units) in planned {
         if let Some(at) = end {
-            releases.entry(*idx).or_default().push(Release {
+            releases[*idx as usize].push(Release {
                 at: *at,
-                kind: ReleaseKind::Planned(s.clone(), units.clone()),
+                kind: ReleaseKind::Planned(s, units),
             });
         }
     }
     // Per node, the step function "tasks that fit from time t on".
     let mut steps: Vec<(Timestamp, NodeIdx, u32)> = Vec::new();
-    let mut free_at: BTreeMap<NodeIdx, Vec<(Timestamp, NodeFree)>> = BTreeMap::new();
+    let mut free_at: FastMap<NodeIdx, Vec<(Timestamp, NodeFree)>> = FastMap::default();
     // A one-task job needs one node: visit nodes by a cheap lower bound of when they could hold
     // it (GPU units alone) and stop once no unvisited node can beat the earliest exact time.
     let mut order: Vec<(Timestamp, NodeIdx, Vec<Release>)> = releases
         .into_iter()
+        .enumerate()
+        .filter(|(_, rel)| !rel.is_empty())
         .map(|(idx, mut rel)| {
+            let idx = idx as NodeIdx;
             rel.sort_by_key(|r| r.at);
             let bound = if tasks == 1 {
-                earliest_by_units(state, placer, idx, &rel, shape, now)
+                earliest_by_units(placer, idx, &rel, shape, now)
             } else {
                 now
             };
@@ -184,13 +191,7 @@ pub fn reserve(
             let at = rel[i].at;
             while i < rel.len() && rel[i].at == at {
                 match &rel[i].kind {
-                    ReleaseKind::Allocation(id) => {
-                        if let Some(rec) = state.allocations.get(id)
-                            && let Some(owner) = state.jobs.get(&rec.allocation.job)
-                        {
-                            free.add_allocation(n.node, owner, rec);
-                        }
-                    }
+                    ReleaseKind::Allocation(rec, owner) => free.add_allocation(n.node, owner, rec),
                     ReleaseKind::Planned(s, units) => free = give_back(n.node, &free, s, units),
                 }
                 i += 1;
@@ -208,34 +209,33 @@ pub fn reserve(
         }
         free_at.insert(idx, timeline);
     }
-    // Nodes that already fit some tasks now (gangs) count from the start.
-    let mut count_now: BTreeMap<NodeIdx, u32> = BTreeMap::new();
+    // Nodes that already fit some tasks now (gangs) count from the start. Nodes of one fleet
+    // group have the same hardware and free resources: count once per group.
+    let mut count_now: Vec<u32> = vec![0; placer.fleet.nodes.len()];
     if tasks > 1 {
+        let mut per_group: FastMap<GroupId, u32> = FastMap::default();
         for (i, n) in placer.fleet.nodes.iter().enumerate() {
             if n.shadow.is_some() || free_at.contains_key(&(i as NodeIdx)) {
                 continue;
             }
-            let c = count_fit(placer, i as NodeIdx, &n.free, shape, tasks).0;
-            if c > 0 {
-                count_now.insert(i as NodeIdx, c);
-            }
+            let c = *per_group
+                .entry(n.group)
+                .or_insert_with(|| count_fit(placer, i as NodeIdx, &n.free, shape, tasks).0);
+            count_now[i] = c;
         }
     }
     for (&idx, timeline) in &free_at {
-        let c = count_fit(placer, idx, &timeline[0].1, shape, tasks).0;
-        if c > 0 {
-            count_now.insert(idx, c);
-        }
+        count_now[idx as usize] = count_fit(placer, idx, &timeline[0].1, shape, tasks).0;
     }
     steps.sort_unstable();
-    let mut current = count_now.clone();
-    let mut total: u64 = current.values().map(|&c| u64::from(c)).sum();
+    let mut current = count_now;
+    let mut total: u64 = current.iter().map(|&c| u64::from(c)).sum();
     let mut start = None;
     if total >= u64::from(tasks) {
         start = Some(now);
     } else {
         for (at, idx, count) in steps {
-            let before = current.insert(idx, count).unwrap_or(0);
+            let before = std::mem::replace(&mut current[idx as usize], count);
             total = total + u64::from(count) - u64::from(before);
             if total >= u64::from(tasks) {
                 start = Some(at);
@@ -247,8 +247,9 @@ pub fn reserve(
     // Reserve on the nodes with room at `start`, most room first (fewest nodes for a gang).
     let mut room: Vec<(u32, NodeIdx)> = current
         .iter()
+        .enumerate()
         .filter(|(_, c)| **c > 0)
-        .map(|(i, c)| (*c, *i))
+        .map(|(i, c)| (*c, i as NodeIdx))
         .collect();
     room.sort_unstable_by_key(|(c, i)| (std::cmp::Reverse(*c), *i));
     let mut left = tasks;

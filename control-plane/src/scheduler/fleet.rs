@@ -45,8 +45,12 @@ impl std::hash::Hasher for FastHasher {
         self.write_u64(n as u64);
     }
 
+    /// The multiply leaves the low bits depending only on the low bits of the last word, and
+    /// hashbrown picks buckets by the low bits: names that differ only in their last characters
+    /// ("h-00017", "h-00018") would share buckets and probe long chains. Rotating brings the
+    /// well-mixed high bits down (as rustc-hash 2 does).
     fn finish(&self) -> u64 {
-        self.0
+        self.0.rotate_left(26)
     }
 }
 

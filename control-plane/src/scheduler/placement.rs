@@ -5,6 +5,7 @@
 //! job rather than a scan of 10,000 nodes.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Bound::{Excluded, Unbounded};
 
 use super::fit::{best_gpu_set, link_rank};
 use super::fleet::{FastMap, Fleet, FleetNode, GroupEvent, GroupId, MAX_GPUS, NodeFree, NodeIdx};
@@ -594,23 +595,32 @@ impl<'a> Placer<'a> {
             if per_node == 0 {
                 continue;
             }
-            let members: Vec<NodeIdx> = self.fleet.groups[g as usize]
-                .members
-                .iter()
-                .copied()
-                .collect();
-            for idx in members {
-                let Some(rack) = self.fleet.nodes[idx as usize].rack else {
-                    continue;
+            // Walk the group's members from a cursor rather than copying them: a group of
+            // identical free nodes may hold thousands, and a rack is usually ready after a few.
+            let mut cursor: Option<NodeIdx> = None;
+            loop {
+                let members = &self.fleet.groups[g as usize].members;
+                let rest = match cursor {
+                    None => members.range(..),
+                    Some(c) => members.range((Excluded(c), Unbounded)),
                 };
-                let c = credit.entry(rack).or_default();
-                if *c >= tasks {
-                    continue;
+                let mut ready = None;
+                for &idx in rest {
+                    cursor = Some(idx);
+                    let Some(rack) = self.fleet.nodes[idx as usize].rack else {
+                        continue;
+                    };
+                    let c = credit.entry(rack).or_default();
+                    if *c >= tasks {
+                        continue;
+                    }
+                    *c += per_node;
+                    if *c >= tasks {
+                        ready = Some(rack);
+                        break;
+                    }
                 }
-                *c += per_node;
-                if *c < tasks {
-                    continue;
-                }
+                let Some(rack) = ready else { break };
                 if let Some(placed) = self.try_rack(shape, tasks, long, rack) {
                     return Some(placed);
                 }

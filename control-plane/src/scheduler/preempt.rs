@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use super::fleet::{NodeFree, NodeIdx};
+use super::fleet::{FastMap, NodeFree, NodeIdx};
 use super::placement::{Placer, Scorer, Shape, evaluate_node, take};
 use crate::state::{ClusterState, Job, JobId, MILLI_PER_GPU, Timestamp, priority_rank};
 
@@ -19,13 +19,9 @@ pub struct Preemption {
     pub victims: Vec<JobId>,
 }
 
-/// Work lost if `victim` is stopped now: milli-GPU × seconds since its first task started.
-fn cost(state: &ClusterState, victim: &Job, now: Timestamp) -> u64 {
-    let since = state
-        .allocations_of(victim.id)
-        .map(|r| r.allocation.created_at)
-        .min()
-        .unwrap_or(now);
+/// Work lost if `victim`, whose first task started at `since`, is stopped now: milli-GPU ×
+/// seconds since then.
+fn cost(victim: &Job, since: Timestamp, now: Timestamp) -> u64 {
     victim.spec.total_gpu_milli().max(1) * (now.saturating_sub(since) / 1000 + 1)
 }
 
@@ -60,43 +56,69 @@ pub fn select(
         })
         .map(|(t, _)| t.as_str())
         .collect();
-    // Candidates and their allocations per node.
-    let mut victims_on: BTreeMap<NodeIdx, Vec<JobId>> = BTreeMap::new();
-    let mut costs: BTreeMap<JobId, u64> = BTreeMap::new();
-    for job in state.jobs_with_allocations() {
-        // Victims chosen for this job earlier are still stopping: wait for them.
-        if job
-            .ending
-            .as_ref()
-            .is_some_and(|e| e.preempted_for == Some(head.id))
-        {
-            return None;
-        }
-        let lower = job.spec.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
-        let reclaimable = reclaiming
-            && job.spec.tenant != head.spec.tenant
-            && borrowing.contains(job.spec.tenant.as_str());
-        if !(lower || reclaimable)
-            || job.id == head.id
-            || state.check_preemption(head, job.id).is_err()
-        {
+    // Candidates and their allocations per node, in one walk over the live allocations (a
+    // job's allocations are usually adjacent, so its rules are checked once): on a full
+    // cluster this walk is most of the pass.
+    // Indexed by node (dense); `with_victims` lists the nodes that have any.
+    let mut victims_on: Vec<Vec<JobId>> = vec![Vec::new(); placer.fleet.nodes.len()];
+    let mut with_victims: Vec<NodeIdx> = Vec::new();
+    // Candidate → when its first task started.
+    let mut started: FastMap<JobId, Timestamp> = FastMap::default();
+    let mut last: Option<(JobId, bool)> = None;
+    for rec in state.allocations.values() {
+        let id = rec.allocation.job;
+        let candidate = match last {
+            Some((j, c)) if j == id => c,
+            _ => {
+                let c = match state.jobs.get(&id) {
+                    Some(job) => {
+                        // Victims chosen for this job earlier are still stopping: wait.
+                        if job
+                            .ending
+                            .as_ref()
+                            .is_some_and(|e| e.preempted_for == Some(head.id))
+                        {
+                            return None;
+                        }
+                        let lower = job.spec.preemptible
+                            && priority_rank(&job.spec.priority_class) < head_rank;
+                        let reclaimable = reclaiming
+                            && job.spec.tenant != head.spec.tenant
+                            && borrowing.contains(job.spec.tenant.as_str());
+                        (lower || reclaimable)
+                            && job.id != head.id
+                            && state.check_preemption(head, job.id).is_ok()
+                    }
+                    None => false,
+                };
+                last = Some((id, c));
+                c
+            }
+        };
+        if !candidate {
             continue;
         }
-        costs.insert(job.id, cost(state, job, now));
-        for rec in state.allocations_of(job.id) {
-            if let Some(&idx) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
-                let list = victims_on.entry(idx).or_default();
-                if !list.contains(&job.id) {
-                    list.push(job.id);
-                }
+        let since = started.entry(id).or_insert(rec.allocation.created_at);
+        *since = (*since).min(rec.allocation.created_at);
+        if let Some(&idx) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
+            let list = &mut victims_on[idx as usize];
+            if list.is_empty() {
+                with_victims.push(idx);
+            }
+            if !list.contains(&id) {
+                list.push(id);
             }
         }
     }
+    let costs: FastMap<JobId, u64> = started
+        .iter()
+        .map(|(&id, &since)| (id, cost(&state.jobs[&id], since, now)))
+        .collect();
     if costs.is_empty() {
         return None;
     }
-    for list in victims_on.values_mut() {
-        list.sort_by_key(|j| (costs[j], *j));
+    for &idx in &with_victims {
+        victims_on[idx as usize].sort_by_key(|j| (costs[j], *j));
     }
     let mut chosen: BTreeSet<JobId> = BTreeSet::new();
     // Free resources per node as the chosen victims' exits would leave them.
@@ -111,10 +133,10 @@ pub fn select(
         // The node where this task needs the cheapest extra victims. Nodes are visited by the
         // cost of their cheapest victim (a lower bound of what the node costs), so the search
         // stops as soon as no unvisited node can beat the best found.
-        let mut order: Vec<(u64, NodeIdx)> = victims_on
+        let mut order: Vec<(u64, NodeIdx)> = with_victims
             .iter()
-            .map(|(&idx, list)| {
-                let cheapest = list
+            .map(|&idx| {
+                let cheapest = victims_on[idx as usize]
                     .iter()
                     .filter(|v| !chosen.contains(v))
                     .map(|v| costs[v])
@@ -134,7 +156,7 @@ pub fn select(
             if best.as_ref().is_some_and(|b| lower > b.0) {
                 break;
             }
-            let list = &victims_on[&idx];
+            let list = &victims_on[idx as usize];
             let n = &placer.fleet.nodes[idx as usize];
             let mut free = free_of(&overlay, idx);
             let mut extra = Vec::new();

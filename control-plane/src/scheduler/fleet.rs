@@ -137,6 +137,7 @@ impl<'a> Fleet<'a> {
         let mut ranks_of: FastMap<u64, Arc<Vec<Vec<u32>>>> = FastMap::default();
         // The indexes are keyed by node name like `nodes`: walk them alongside instead of
         // looking each node up (string-keyed lookups were a third of this function's time).
+        let mut previous: Option<(GroupKey, GroupId)> = None;
         let mut frees = state.index.node_free.iter().peekable();
         let mut classes = state.index.hardware_class.iter().peekable();
         for (name, node) in &state.nodes {
@@ -165,7 +166,19 @@ impl<'a> Fleet<'a> {
                 partition: node.spec.partition.as_deref(),
                 free,
             };
-            let group = fleet.join(key, idx);
+            // Neighbouring nodes are often identical (same hardware, same free resources):
+            // comparing with the previous key is cheaper than hashing it again.
+            let group = match &previous {
+                Some((k, g)) if *k == key => {
+                    fleet.groups[*g as usize].members.insert(idx);
+                    *g
+                }
+                _ => {
+                    let g = fleet.join(key.clone(), idx);
+                    previous = Some((key, g));
+                    g
+                }
+            };
             fleet.nodes.push(FleetNode {
                 node,
                 rack,

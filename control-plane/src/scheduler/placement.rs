@@ -413,9 +413,8 @@ impl Ranking {
             self.cursor += 1;
             match *event {
                 GroupEvent::Filled(g) => {
-                    let eval = self.eval(fleet, sc, shape, g).cloned();
-                    if let Some(fit) = eval {
-                        self.ranked.insert((fit.key, g));
+                    if let Some(key) = self.eval(fleet, sc, shape, g).map(|fit| fit.key) {
+                        self.ranked.insert((key, g));
                     }
                 }
                 GroupEvent::Emptied(g) => {
@@ -646,24 +645,25 @@ impl<'a> Placer<'a> {
         let mut placed = Vec::new();
         for _ in 0..tasks {
             self.ranking(shape);
-            let mut pick: Option<(ScoreKey, NodeIdx, Units)> = None;
+            // One lookup of the shape's ranking per task, not one per node of the rack.
+            let ranking = self.rankings.get_mut(shape).expect("synced above");
+            let mut pick: Option<(ScoreKey, NodeIdx)> = None;
             for &idx in &nodes {
-                if self.fleet.nodes[idx as usize].shadow.is_some() {
+                let n = &self.fleet.nodes[idx as usize];
+                if n.shadow.is_some() {
                     continue;
                 }
-                let g = self.fleet.nodes[idx as usize].group;
-                let fit = {
-                    let ranking = self.rankings.get_mut(shape).expect("synced above");
-                    ranking.eval(&self.fleet, &self.scorer, shape, g).cloned()
-                };
-                if let Some(fit) = fit
-                    && pick
-                        .as_ref()
-                        .is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
+                if let Some(fit) = ranking.eval(&self.fleet, &self.scorer, shape, n.group)
+                    && pick.is_none_or(|(k, i)| (fit.key, idx) < (k, i))
                 {
-                    pick = Some((fit.key, idx, fit.units));
+                    pick = Some((fit.key, idx));
                 }
             }
+            let pick = pick.and_then(|(key, idx)| {
+                let g = self.fleet.nodes[idx as usize].group;
+                let fit = ranking.eval(&self.fleet, &self.scorer, shape, g)?;
+                Some((key, idx, fit.units.clone()))
+            });
             let Some((_, idx, units)) = pick else {
                 self.restore(undo);
                 return None;

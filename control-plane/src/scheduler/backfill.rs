@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::fleet::{FastMap, GroupId, NodeFree, NodeIdx};
-use super::placement::{Placer, Scorer, Shape, Units, evaluate_node, give_back, take};
+use super::placement::{FitMemo, Placer, Shape, Units, count_fit, give_back};
 use crate::state::{AllocationRecord, ClusterState, Job, JobId, Timestamp};
 
 /// The head job's reservation.
@@ -42,30 +42,6 @@ enum ReleaseKind<'s> {
     Allocation(&'s AllocationRecord, &'s Job),
     /// A task placed earlier in this pass ends.
     Planned(&'s Shape, &'s Units),
-}
-
-/// How many tasks of `shape` fit on a node with `free`, up to `max`.
-fn count_fit(
-    placer: &Placer,
-    idx: NodeIdx,
-    free: &NodeFree,
-    shape: &Shape,
-    max: u32,
-) -> (u32, NodeFree) {
-    let n = &placer.fleet.nodes[idx as usize];
-    let fit_only = Scorer::fit_only();
-    let mut f = *free;
-    let mut count = 0;
-    while count < max {
-        match evaluate_node(&fit_only, n, &f, shape) {
-            Some(fit) => {
-                f = take(n.node, &f, shape, &fit.units);
-                count += 1;
-            }
-            None => break,
-        }
-    }
-    (count, f)
 }
 
 /// A lower bound of when a node could hold one task of `shape`: the first release after which
@@ -178,13 +154,14 @@ pub fn reserve<'s>(
         .collect();
     order.sort_by_key(|(bound, idx, _)| (*bound, *idx));
     let mut earliest: Option<Timestamp> = None;
+    let mut memo = FitMemo::default();
     for (bound, idx, rel) in order {
         if tasks == 1 && earliest.is_some_and(|e| bound > e) {
             break;
         }
         let n = &placer.fleet.nodes[idx as usize];
         let mut free = n.free;
-        let mut last = count_fit(placer, idx, &free, shape, tasks).0;
+        let mut last = memo.count(placer, idx, &free, shape, tasks);
         let mut timeline = vec![(now, free)];
         let mut i = 0;
         while i < rel.len() {
@@ -196,7 +173,7 @@ pub fn reserve<'s>(
                 }
                 i += 1;
             }
-            let count = count_fit(placer, idx, &free, shape, tasks).0;
+            let count = memo.count(placer, idx, &free, shape, tasks);
             timeline.push((at, free));
             if count != last {
                 steps.push((at, idx, count));
@@ -225,7 +202,7 @@ pub fn reserve<'s>(
         }
     }
     for (&idx, timeline) in &free_at {
-        count_now[idx as usize] = count_fit(placer, idx, &timeline[0].1, shape, tasks).0;
+        count_now[idx as usize] = memo.count(placer, idx, &timeline[0].1, shape, tasks);
     }
     steps.sort_unstable();
     let mut current = count_now;

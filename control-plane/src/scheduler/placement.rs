@@ -8,7 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound::{Excluded, Unbounded};
 
 use super::fit::{best_gpu_set, link_rank};
-use super::fleet::{FastMap, Fleet, FleetNode, GroupEvent, GroupId, MAX_GPUS, NodeFree, NodeIdx};
+use super::fleet::{
+    FastMap, Fleet, FleetNode, GroupEvent, GroupId, GroupKey, MAX_GPUS, NodeFree, NodeIdx,
+};
 use super::frag::Workload;
 use super::score::{self, Demand, NodeResources, ScorePolicy};
 use crate::state::{JobSpec, Node, share_memory_for};
@@ -439,6 +441,72 @@ impl Ranking {
     }
 }
 
+/// [`count_fit`] results by (hardware class, partition, free resources) and cap, for the
+/// fit-only questions of backfill and preemption. Nodes of one hardware class in the same
+/// state hold the same tasks, and on a large fleet release timelines and victim searches
+/// revisit the same few states ("all eight GPUs free") thousands of times.
+#[derive(Default)]
+pub struct FitMemo<'a> {
+    counts: FastMap<(GroupKey<'a>, u32), u32>,
+}
+
+impl<'a> FitMemo<'a> {
+    pub fn count(
+        &mut self,
+        placer: &Placer<'a>,
+        idx: NodeIdx,
+        free: &NodeFree,
+        shape: &Shape,
+        max: u32,
+    ) -> u32 {
+        let n = &placer.fleet.nodes[idx as usize];
+        let key = GroupKey {
+            hardware: placer.fleet.groups[n.group as usize].key.hardware,
+            partition: n.node.spec.partition.as_deref(),
+            free: *free,
+        };
+        *self
+            .counts
+            .entry((key, max))
+            .or_insert_with(|| count_fit(placer, idx, free, shape, max).0)
+    }
+
+    /// Whether one task of `shape` fits on node `idx` with `free`.
+    pub fn fits(
+        &mut self,
+        placer: &Placer<'a>,
+        idx: NodeIdx,
+        free: &NodeFree,
+        shape: &Shape,
+    ) -> bool {
+        self.count(placer, idx, free, shape, 1) > 0
+    }
+}
+
+/// How many tasks of `shape` fit on a node with `free`, up to `max`.
+pub fn count_fit(
+    placer: &Placer,
+    idx: NodeIdx,
+    free: &NodeFree,
+    shape: &Shape,
+    max: u32,
+) -> (u32, NodeFree) {
+    let n = &placer.fleet.nodes[idx as usize];
+    let fit_only = Scorer::fit_only();
+    let mut f = *free;
+    let mut count = 0;
+    while count < max {
+        match evaluate_node(&fit_only, n, &f, shape) {
+            Some(fit) => {
+                f = take(n.node, &f, shape, &fit.units);
+                count += 1;
+            }
+            None => break,
+        }
+    }
+    (count, f)
+}
+
 /// One pass's placement state: the fleet, the score, and a ranking per shape.
 pub struct Placer<'a> {
     pub fleet: Fleet<'a>,
@@ -548,25 +616,16 @@ impl<'a> Placer<'a> {
 
     /// How many tasks of `shape` fit on a node of group `g` (up to `max`), cached per group.
     fn tasks_per_node(&mut self, shape: &Shape, g: GroupId, max: u32) -> u32 {
-        let ranking = self
-            .rankings
-            .get_mut(shape)
-            .expect("ranking synced by the caller");
-        if let Some(&n) = ranking.capacity.get(&(g, max)) {
+        if let Some(&n) = self.rankings[shape].capacity.get(&(g, max)) {
             return n;
         }
-        let sample = &self.fleet.nodes[self.fleet.groups[g as usize].sample as usize];
-        let fit_only = Scorer::fit_only();
-        let mut free = *self.fleet.group_free(g);
-        let mut n = 0;
-        while n < max {
-            let Some(fit) = evaluate_node(&fit_only, sample, &free, shape) else {
-                break;
-            };
-            free = take(sample.node, &free, shape, &fit.units);
-            n += 1;
-        }
-        ranking.capacity.insert((g, max), n);
+        let sample = self.fleet.groups[g as usize].sample;
+        let n = count_fit(self, sample, self.fleet.group_free(g), shape, max).0;
+        self.rankings
+            .get_mut(shape)
+            .expect("ranking synced by the caller")
+            .capacity
+            .insert((g, max), n);
         n
     }
 

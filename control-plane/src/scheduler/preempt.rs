@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use super::fleet::{FastMap, NodeFree, NodeIdx};
-use super::placement::{Placer, Scorer, Shape, evaluate_node, take};
+use super::placement::{FitMemo, Placer, Scorer, Shape, evaluate_node, take};
 use crate::state::{ClusterState, Job, JobId, MILLI_PER_GPU, Timestamp, priority_rank};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -35,6 +35,7 @@ pub fn select(
     now: Timestamp,
 ) -> Option<Preemption> {
     let fit_only = Scorer::fit_only();
+    let mut memo = FitMemo::default();
     // Cheap prefilters before the exact rule (`check_preemption`) runs on each candidate:
     // lower-priority preemptible work, or work of a tenant that borrows beyond its quota while
     // the head's tenant is within its guarantee.
@@ -63,8 +64,9 @@ pub fn select(
     let mut victims_on: Vec<Vec<JobId>> = vec![Vec::new(); placer.fleet.nodes.len()];
     let mut with_victims: Vec<NodeIdx> = Vec::new();
     // Candidate → when its first task started.
-    let mut started: FastMap<JobId, Timestamp> = FastMap::default();
-    let mut last: Option<(JobId, bool)> = None;
+    let mut started: FastMap<JobId, (&Job, Timestamp)> = FastMap::default();
+    let mut last: Option<(JobId, Option<&Job>)> = None;
+    let mut reclaim_allowed: FastMap<&str, bool> = FastMap::default();
     for rec in state.allocations.values() {
         let id = rec.allocation.job;
         let candidate = match last {
@@ -85,20 +87,39 @@ pub fn select(
                         let reclaimable = reclaiming
                             && job.spec.tenant != head.spec.tenant
                             && borrowing.contains(job.spec.tenant.as_str());
-                        (lower || reclaimable)
-                            && job.id != head.id
-                            && state.check_preemption(head, job.id).is_ok()
+                        // The exact rule apply checks. Its reclaim branch depends only on the
+                        // victim's tenant once the job itself is live, so it is evaluated once
+                        // per tenant: it looks tenants up by name, and a full cluster has tens
+                        // of thousands of running jobs.
+                        let allowed = job.id != head.id
+                            && if lower {
+                                state.check_preemption_of(head, job).is_ok()
+                            } else if reclaimable {
+                                job.ending.is_none()
+                                    && !job.state.is_final()
+                                    && *reclaim_allowed
+                                        .entry(job.spec.tenant.as_str())
+                                        .or_insert_with(|| {
+                                            state.check_preemption_of(head, job).is_ok()
+                                        })
+                            } else {
+                                false
+                            };
+                        allowed.then_some(job)
                     }
-                    None => false,
+                    None => None,
                 };
                 last = Some((id, c));
                 c
             }
         };
-        if !candidate {
+        let Some(job) = candidate else {
             continue;
-        }
-        let since = started.entry(id).or_insert(rec.allocation.created_at);
+        };
+        let since = &mut started
+            .entry(id)
+            .or_insert((job, rec.allocation.created_at))
+            .1;
         *since = (*since).min(rec.allocation.created_at);
         if let Some(&idx) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
             let list = &mut victims_on[idx as usize];
@@ -112,7 +133,7 @@ pub fn select(
     }
     let costs: FastMap<JobId, u64> = started
         .iter()
-        .map(|(&id, &since)| (id, cost(&state.jobs[&id], since, now)))
+        .map(|(&id, &(job, since))| (id, cost(job, since, now)))
         .collect();
     if costs.is_empty() {
         return None;
@@ -161,7 +182,7 @@ pub fn select(
             let mut free = free_of(&overlay, idx);
             let mut extra = Vec::new();
             let mut extra_cost = 0u64;
-            let mut fits = evaluate_node(&fit_only, n, &free, shape).is_some();
+            let mut fits = memo.fits(placer, idx, &free, shape);
             for &v in list {
                 if fits {
                     break;
@@ -176,7 +197,7 @@ pub fn select(
                 }
                 extra.push(v);
                 extra_cost += costs[&v];
-                fits = evaluate_node(&fit_only, n, &free, shape).is_some();
+                fits = memo.fits(placer, idx, &free, shape);
             }
             if !fits {
                 continue;

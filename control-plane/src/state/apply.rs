@@ -1040,6 +1040,13 @@ impl ClusterState {
             .jobs
             .get(&victim)
             .ok_or_else(|| format!("job {victim} does not exist"))?;
+        self.check_preemption_of(preemptor, v)
+    }
+
+    /// [`Self::check_preemption`] for a victim already looked up (the scheduler checks tens of
+    /// thousands of running jobs per pass on a full cluster).
+    pub fn check_preemption_of(&self, preemptor: &Job, v: &Job) -> Result<&'static str, String> {
+        let victim = v.id;
         if v.state.is_final() || v.allocations.is_empty() {
             return Err(format!("job {victim} is {} and holds nothing", v.state));
         }

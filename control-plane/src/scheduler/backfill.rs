@@ -144,24 +144,28 @@ pub fn reserve<'s>(
         .map(|(idx, mut rel)| {
             let idx = idx as NodeIdx;
             rel.sort_by_key(|r| r.at);
-            let bound = if tasks == 1 {
-                earliest_by_units(placer, idx, &rel, shape, now)
-            } else {
-                now
-            };
+            let bound = earliest_by_units(placer, idx, &rel, shape, now);
             (bound, idx, rel)
         })
         .collect();
     order.sort_by_key(|(bound, idx, _)| (*bound, *idx));
     let mut earliest: Option<Timestamp> = None;
     let mut memo = FitMemo::default();
+    // Tasks that fit on each node now.
+    let mut count_now: Vec<u32> = vec![0; placer.fleet.nodes.len()];
     for (bound, idx, rel) in order {
         if tasks == 1 && earliest.is_some_and(|e| bound > e) {
             break;
         }
         let n = &placer.fleet.nodes[idx as usize];
         let mut free = n.free;
-        let mut last = memo.count(placer, idx, &free, shape, tasks);
+        // Before its bound the node holds no task (too few GPU units): no need to ask.
+        let mut last = if bound > now {
+            0
+        } else {
+            memo.count(placer, idx, &free, shape, tasks)
+        };
+        count_now[idx as usize] = last;
         let mut timeline = vec![(now, free)];
         let mut i = 0;
         while i < rel.len() {
@@ -173,7 +177,11 @@ pub fn reserve<'s>(
                 }
                 i += 1;
             }
-            let count = memo.count(placer, idx, &free, shape, tasks);
+            let count = if at < bound {
+                0
+            } else {
+                memo.count(placer, idx, &free, shape, tasks)
+            };
             timeline.push((at, free));
             if count != last {
                 steps.push((at, idx, count));
@@ -188,7 +196,6 @@ pub fn reserve<'s>(
     }
     // Nodes that already fit some tasks now (gangs) count from the start. Nodes of one fleet
     // group have the same hardware and free resources: count once per group.
-    let mut count_now: Vec<u32> = vec![0; placer.fleet.nodes.len()];
     if tasks > 1 {
         let mut per_group: FastMap<GroupId, u32> = FastMap::default();
         for (i, n) in placer.fleet.nodes.iter().enumerate() {
@@ -200,9 +207,6 @@ pub fn reserve<'s>(
                 .or_insert_with(|| count_fit(placer, i as NodeIdx, &n.free, shape, tasks).0);
             count_now[i] = c;
         }
-    }
-    for (&idx, timeline) in &free_at {
-        count_now[idx as usize] = memo.count(placer, idx, &timeline[0].1, shape, tasks);
     }
     steps.sort_unstable();
     let mut current = count_now;

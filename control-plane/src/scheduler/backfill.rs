@@ -11,8 +11,9 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::fleet::{FastMap, GroupId, NodeFree, NodeIdx};
+use super::live::LiveAllocation;
 use super::placement::{FitMemo, Placer, Shape, Units, count_fit, give_back};
-use crate::state::{AllocationRecord, ClusterState, Job, JobId, Timestamp};
+use crate::state::{AllocationRecord, Job, JobId, Timestamp};
 
 /// The head job's reservation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -81,30 +82,21 @@ fn earliest_by_units(
 /// Finds the head job's reservation and holds its nodes in the placer. `planned`: tasks placed
 /// earlier in this pass, with their node and end time.
 pub fn reserve<'s>(
-    state: &'s ClusterState,
     placer: &mut Placer,
     job: &Job,
     shape: &Shape,
     now: Timestamp,
     planned: &'s [(NodeIdx, Option<Timestamp>, Shape, Units)],
+    live: &[LiveAllocation<'s>],
 ) -> Option<Reservation> {
     let tasks = job.spec.tasks;
-    // Releases per node, in time order: one walk over the live allocations (a job's are
-    // usually adjacent, so its owner is looked up once).
+    // Releases per node, in time order.
     // Indexed by node: dense, so no map lookups per allocation.
     let mut releases: Vec<Vec<Release<'s>>> = Vec::new();
     releases.resize_with(placer.fleet.nodes.len(), Vec::new);
-    let mut owner: Option<&Job> = None;
-    for rec in state.allocations.values() {
-        if owner.is_none_or(|o| o.id != rec.allocation.job) {
-            owner = state.jobs.get(&rec.allocation.job);
-        }
-        let Some(o) = owner.filter(|o| o.id == rec.allocation.job) else {
-            continue;
-        };
-        let Some(&idx) = placer.fleet.index_of.get(rec.allocation.node.as_str()) else {
-            continue;
-        };
+    for a in live {
+        let (rec, o) = (a.rec, a.job);
+        let Some(idx) = a.node else { continue };
         if placer.fleet.nodes[idx as usize].shadow.is_some() {
             continue;
         }

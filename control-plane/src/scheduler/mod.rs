@@ -22,6 +22,7 @@ mod backfill;
 mod fit;
 pub mod fleet;
 pub mod frag;
+mod live;
 pub mod placement;
 mod preempt;
 pub mod queue;
@@ -132,6 +133,9 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
     let mut held: BTreeMap<&str, u64> = BTreeMap::new();
     let mut head: Option<(&Job, Shape)> = None;
     let mut planned: Vec<(NodeIdx, Option<Timestamp>, Shape, Units)> = Vec::new();
+    // Every live allocation with its job and node, walked once and shared by the reservation
+    // and the preemption search.
+    let mut live: Option<Vec<live::LiveAllocation>> = None;
     while let Some(job) = queue.next_job() {
         stats.jobs_considered += 1;
         let tenant = job.spec.tenant.as_str();
@@ -185,8 +189,8 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
                     break;
                 }
                 let started = std::time::Instant::now();
-                plan.reservation =
-                    backfill::reserve(state, &mut placer, job, &shape, now, &planned);
+                let live = live.get_or_insert_with(|| live::live_allocations(state, &placer.fleet));
+                plan.reservation = backfill::reserve(&mut placer, job, &shape, now, &planned, live);
                 stats.reserve_us = started.elapsed().as_micros() as u64;
                 head = Some((job, shape));
             }
@@ -196,7 +200,14 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
     stats.place_us = lap(&mut clock).saturating_sub(stats.reserve_us);
     if policy.preemption
         && let Some((job, shape)) = &head
-        && let Some(p) = preempt::select(state, &placer, job, shape, now)
+        && let Some(p) = preempt::select(
+            state,
+            &placer,
+            job,
+            shape,
+            now,
+            live.get_or_insert_with(|| live::live_allocations(state, &placer.fleet)),
+        )
     {
         plan.preemptions.push(p);
     }

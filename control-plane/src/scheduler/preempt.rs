@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use super::fleet::{FastMap, NodeFree, NodeIdx};
+use super::live::LiveAllocation;
 use super::placement::{FitMemo, Placer, Scorer, Shape, evaluate_node, take};
 use crate::state::{ClusterState, Job, JobId, MILLI_PER_GPU, Timestamp, priority_rank};
 
@@ -33,6 +34,7 @@ pub fn select(
     head: &Job,
     shape: &Shape,
     now: Timestamp,
+    live: &[LiveAllocation],
 ) -> Option<Preemption> {
     let fit_only = Scorer::fit_only();
     let mut memo = FitMemo::default();
@@ -67,48 +69,42 @@ pub fn select(
     let mut started: FastMap<JobId, (&Job, Timestamp)> = FastMap::default();
     let mut last: Option<(JobId, Option<&Job>)> = None;
     let mut reclaim_allowed: FastMap<&str, bool> = FastMap::default();
-    for rec in state.allocations.values() {
-        let id = rec.allocation.job;
+    for a in live {
+        let (rec, id) = (a.rec, a.rec.allocation.job);
         let candidate = match last {
             Some((j, c)) if j == id => c,
             _ => {
-                let c = match state.jobs.get(&id) {
-                    Some(job) => {
-                        // Victims chosen for this job earlier are still stopping: wait.
-                        if job
-                            .ending
-                            .as_ref()
-                            .is_some_and(|e| e.preempted_for == Some(head.id))
-                        {
-                            return None;
-                        }
-                        let lower = job.spec.preemptible
-                            && priority_rank(&job.spec.priority_class) < head_rank;
-                        let reclaimable = reclaiming
-                            && job.spec.tenant != head.spec.tenant
-                            && borrowing.contains(job.spec.tenant.as_str());
-                        // The exact rule apply checks. Its reclaim branch depends only on the
-                        // victim's tenant once the job itself is live, so it is evaluated once
-                        // per tenant: it looks tenants up by name, and a full cluster has tens
-                        // of thousands of running jobs.
-                        let allowed = job.id != head.id
-                            && if lower {
-                                state.check_preemption_of(head, job).is_ok()
-                            } else if reclaimable {
-                                job.ending.is_none()
-                                    && !job.state.is_final()
-                                    && *reclaim_allowed
-                                        .entry(job.spec.tenant.as_str())
-                                        .or_insert_with(|| {
-                                            state.check_preemption_of(head, job).is_ok()
-                                        })
-                            } else {
-                                false
-                            };
-                        allowed.then_some(job)
-                    }
-                    None => None,
-                };
+                let job = a.job;
+                // Victims chosen for this job earlier are still stopping: wait.
+                if job
+                    .ending
+                    .as_ref()
+                    .is_some_and(|e| e.preempted_for == Some(head.id))
+                {
+                    return None;
+                }
+                let lower =
+                    job.spec.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
+                let reclaimable = reclaiming
+                    && job.spec.tenant != head.spec.tenant
+                    && borrowing.contains(job.spec.tenant.as_str());
+                // The exact rule apply checks. Its reclaim branch depends only on the
+                // victim's tenant once the job itself is live, so it is evaluated once
+                // per tenant: it looks tenants up by name, and a full cluster has tens
+                // of thousands of running jobs.
+                let allowed = job.id != head.id
+                    && if lower {
+                        state.check_preemption_of(head, job).is_ok()
+                    } else if reclaimable {
+                        job.ending.is_none()
+                            && !job.state.is_final()
+                            && *reclaim_allowed
+                                .entry(job.spec.tenant.as_str())
+                                .or_insert_with(|| state.check_preemption_of(head, job).is_ok())
+                    } else {
+                        false
+                    };
+                let c = allowed.then_some(job);
                 last = Some((id, c));
                 c
             }
@@ -121,14 +117,13 @@ pub fn select(
             .or_insert((job, rec.allocation.created_at))
             .1;
         *since = (*since).min(rec.allocation.created_at);
-        if let Some(&idx) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
-            let list = &mut victims_on[idx as usize];
-            if list.is_empty() {
-                with_victims.push(idx);
-            }
-            if !list.contains(&id) {
-                list.push(id);
-            }
+        let Some(node) = a.node else { continue };
+        let list = &mut victims_on[node as usize];
+        if list.is_empty() {
+            with_victims.push(node);
+        }
+        if !list.contains(&id) {
+            list.push(id);
         }
     }
     let costs: FastMap<JobId, u64> = started

@@ -12,7 +12,9 @@ use serde::Serialize;
 use super::fleet::{FastMap, NodeFree, NodeIdx};
 use super::live::LiveAllocation;
 use super::placement::{FitMemo, Placer, Scorer, Shape, evaluate_node, take};
-use crate::state::{ClusterState, Job, JobId, MILLI_PER_GPU, Timestamp, priority_rank};
+use crate::state::{
+    AllocationRecord, ClusterState, Job, JobId, MILLI_PER_GPU, Timestamp, priority_rank,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Preemption {
@@ -64,6 +66,9 @@ pub fn select(
     // cluster this walk is most of the pass.
     // Indexed by node (dense); `with_victims` lists the nodes that have any.
     let mut victims_on: Vec<Vec<JobId>> = vec![Vec::new(); placer.fleet.nodes.len()];
+    // Per node, the candidates' allocations there (so adding a victim needs no lookups).
+    let mut allocs_on: Vec<Vec<(&Job, &AllocationRecord)>> =
+        vec![Vec::new(); placer.fleet.nodes.len()];
     let mut with_victims: Vec<NodeIdx> = Vec::new();
     // Candidate → when its first task started.
     let mut started: FastMap<JobId, (&Job, Timestamp)> = FastMap::default();
@@ -118,6 +123,7 @@ pub fn select(
             .1;
         *since = (*since).min(rec.allocation.created_at);
         let Some(node) = a.node else { continue };
+        allocs_on[node as usize].push((job, rec));
         let list = &mut victims_on[node as usize];
         if list.is_empty() {
             with_victims.push(node);
@@ -185,9 +191,9 @@ pub fn select(
                 if chosen.contains(&v) {
                     continue;
                 }
-                for rec in state.allocations_of(v) {
-                    if rec.allocation.node == n.node.spec.name {
-                        free.add_allocation(n.node, &state.jobs[&v], rec);
+                for &(job, rec) in &allocs_on[idx as usize] {
+                    if job.id == v {
+                        free.add_allocation(n.node, job, rec);
                     }
                 }
                 extra.push(v);

@@ -100,7 +100,14 @@ pub fn job_spec(i: u64, rng: &mut Rng) -> pb::JobSpec {
         15..=16 => (1, 2, 0),
         _ => (1, 1, 500),
     };
-    let secs = 0.2 + rng.below(13) as f64 * 0.1;
+    // Mostly short jobs; one in eight outlives an agent's lease plus grace (3 s in a chaos
+    // run), so a partitioned or killed agent is still running it when the control plane gives
+    // up on the node: without self-fencing it would then run twice.
+    let secs = if rng.below(8) == 0 {
+        5.0 + rng.below(30) as f64 * 0.1
+    } else {
+        0.2 + rng.below(13) as f64 * 0.1
+    };
     pb::JobSpec {
         tenant: tenant.into(),
         name: format!("chaos-{i}"),

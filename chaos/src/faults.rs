@@ -269,7 +269,7 @@ impl Injector<'_> {
     }
 
     async fn agent_partition(&mut self) -> anyhow::Result<()> {
-        let name = self.pick_agent();
+        let name = self.pick_agent().await;
         let p = self.partitioner.context("partitions are disabled")?;
         let at = now_ms();
         p.isolate(self.agent_ips[&name])?;
@@ -288,7 +288,7 @@ impl Injector<'_> {
     }
 
     async fn agent_kill(&mut self) -> anyhow::Result<()> {
-        let name = self.pick_agent();
+        let name = self.pick_agent().await;
         let down = Duration::from_millis(
             300 + self
                 .rng
@@ -343,9 +343,36 @@ impl Injector<'_> {
         followers[self.rng.below(followers.len() as u64) as usize]
     }
 
-    fn pick_agent(&mut self) -> String {
+    /// The agent running the most allocations (a random one when none runs anything): a
+    /// fault on an idle host tests little, one on a busy host tests fencing and rescheduling.
+    async fn pick_agent(&mut self) -> String {
         let names: Vec<String> = self.cluster.agents.keys().cloned().collect();
-        names[self.rng.below(names.len() as u64) as usize].clone()
+        let random = names[self.rng.below(names.len() as u64) as usize].clone();
+        let Ok(mut client) = self.cluster.client() else {
+            return random;
+        };
+        client.deadline = Duration::from_secs(2);
+        let req = pb::ListJobsRequest {
+            states: vec!["running".into()],
+            ..Default::default()
+        };
+        let Ok(jobs) = client
+            .call(|mut c, t| {
+                let r = req.clone();
+                async move { c.list_jobs(with_timeout(r, t)).await }
+            })
+            .await
+        else {
+            return random;
+        };
+        let mut load: BTreeMap<String, usize> = BTreeMap::new();
+        for a in jobs.jobs.iter().flat_map(|j| j.allocations.iter()) {
+            *load.entry(a.node.clone()).or_default() += 1;
+        }
+        load.into_iter()
+            .filter(|(n, _)| names.contains(n))
+            .max_by_key(|(_, count)| *count)
+            .map_or(random, |(n, _)| n)
     }
 
     /// Every replica running, one agreed leader, every replica caught up with it.

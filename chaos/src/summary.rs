@@ -28,6 +28,9 @@ pub struct Summary {
     pub jobs: usize,
     pub jobs_by_state: BTreeMap<String, usize>,
     pub process_starts: usize,
+    /// Jobs whose processes started more often than they have tasks (requeued after a node
+    /// was declared lost, or preempted): allowed, but worth seeing.
+    pub jobs_rerun: usize,
     pub failover_ms: Vec<f64>,
     pub violations: usize,
     pub by_invariant: Vec<(&'static str, usize)>,
@@ -86,6 +89,26 @@ pub fn summarize(events: &[Event], report: &Report) -> Summary {
             _ => {}
         }
     }
+    let mut starts: BTreeMap<u64, usize> = BTreeMap::new();
+    for e in events {
+        if let Event::Usage {
+            record: node_agent::runtime::UsageRecord::Start { job, .. },
+            ..
+        } = e
+        {
+            *starts.entry(*job).or_default() += 1;
+        }
+    }
+    if let Some(Event::Final { jobs, .. }) = events
+        .iter()
+        .rev()
+        .find(|e| matches!(e, Event::Final { .. }))
+    {
+        s.jobs_rerun = jobs
+            .iter()
+            .filter(|j| starts.get(&j.id).copied().unwrap_or(0) as i64 > j.tasks.max(1))
+            .count();
+    }
     s.failover_ms.sort_by(|a, b| a.total_cmp(b));
     s.violations = report.violations();
     s.by_invariant = report
@@ -126,6 +149,7 @@ impl Summary {
             "jobs_completed": self.jobs_by_state.get("succeeded").copied().unwrap_or(0),
             "jobs_by_state": self.jobs_by_state,
             "process_starts": self.process_starts,
+            "jobs_rerun": self.jobs_rerun,
             "failover_ms": {"n": self.failover_ms.len(), "p50": num(p50), "p99": num(p99), "max": num(max)},
             "invariants": self.by_invariant.iter().map(|(n, v)| (n.to_string(), *v)).collect::<BTreeMap<_, _>>(),
             "violations": self.violations,
@@ -150,8 +174,9 @@ impl Summary {
             self.cancels
         ));
         out.push_str(&format!(
-            "jobs: {} in the final state {:?}; {} workload processes started\n",
-            self.jobs, self.jobs_by_state, self.process_starts
+            "jobs: {} in the final state {:?}; {} workload processes started; {} jobs ran \
+             again (requeued after a lost node)\n",
+            self.jobs, self.jobs_by_state, self.process_starts, self.jobs_rerun
         ));
         out.push_str(&format!(
             "failover (leader fault -> first write committed via the new leader), {} \

@@ -93,18 +93,21 @@ pub struct WorkloadStats {
 pub fn job_spec(i: u64, rng: &mut Rng) -> pb::JobSpec {
     let tenant = ["team-a", "team-b", "team-c"][rng.below(3) as usize];
     let priority = ["low", "normal", "normal", "high"][rng.below(4) as usize];
+    // Mostly short jobs of every shape. One in eight is a long single-GPU job that outlives
+    // an agent's lease plus grace (3 s in a chaos run) by several seconds, so a partitioned
+    // or killed host is still running it when the control plane gives up on the host and
+    // places it elsewhere: without self-fencing it would then run twice.
+    let long = rng.below(8) == 0;
     let (gpus, tasks, milli) = match rng.below(20) {
+        _ if long => (1, 1, 0),
         0..=8 => (1, 1, 0),
         9..=12 => (2, 1, 0),
         13..=14 => (4, 1, 0),
         15..=16 => (1, 2, 0),
         _ => (1, 1, 500),
     };
-    // Mostly short jobs; one in eight outlives an agent's lease plus grace (3 s in a chaos
-    // run), so a partitioned or killed agent is still running it when the control plane gives
-    // up on the node: without self-fencing it would then run twice.
-    let secs = if rng.below(8) == 0 {
-        5.0 + rng.below(30) as f64 * 0.1
+    let secs = if long {
+        8.0 + rng.below(60) as f64 * 0.1
     } else {
         0.2 + rng.below(13) as f64 * 0.1
     };

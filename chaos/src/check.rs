@@ -170,7 +170,9 @@ fn no_double_booking(events: &[Event]) -> InvariantResult {
     );
     let mut reported: BTreeSet<Vec<u64>> = BTreeSet::new();
     for (at, jobs) in state_views(events) {
-        let mut holders: BTreeMap<(&str, &str), Vec<(u64, u64, u32)>> = BTreeMap::new();
+        // (node, GPU) -> [(allocation, job, milli)]
+        type Holders<'a> = BTreeMap<(&'a str, &'a str), Vec<(u64, u64, u32)>>;
+        let mut holders: Holders = BTreeMap::new();
         for j in jobs {
             for a in &j.allocs {
                 for g in &a.gpus {

@@ -56,7 +56,7 @@ impl Rng {
     pub fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
         x ^= x << 25;
@@ -65,7 +65,7 @@ impl Rng {
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.next_u64() % n.max(1)
     }
 }
 
@@ -149,7 +149,7 @@ impl Workload {
             let cfg = cfg.clone();
             tasks.push(tokio::spawn(async move {
                 let mut stats = WorkloadStats::default();
-                let mut rng = Rng::new(cfg.seed ^ (c as u64 + 1) * 7919);
+                let mut rng = Rng::new(cfg.seed ^ ((c as u64 + 1) * 7919));
                 let mut acked: Vec<(pb::SubmitJobRequest, u64)> = Vec::new();
                 let mut i = c as u64;
                 while (i as usize) < cfg.jobs && !stop.load(Ordering::Relaxed) {

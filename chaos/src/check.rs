@@ -43,7 +43,7 @@ pub const QUOTAS: &str = "quotas_held";
 pub const QUEUE_ORDER: &str = "queue_order_preserved";
 pub const PROGRESS: &str = "runnable_jobs_placed_after_faults";
 pub const NO_STALE_LEADER: &str = "no_decision_from_a_stale_leader";
-pub const NO_CRASH: &str = "no_process_panicked";
+pub const NO_CRASH: &str = "no_process_crashed";
 
 struct Collector {
     result: InvariantResult,
@@ -535,7 +535,10 @@ fn no_stale_leader(events: &[Event]) -> InvariantResult {
 /// A replica or agent that panicked is a bug even when the others carried on (a replica whose
 /// Raft task died keeps answering with what it last knew, e.g. that it is the leader).
 fn no_crash(events: &[Event]) -> InvariantResult {
-    let mut c = Collector::new(NO_CRASH, "no replica or agent process panicked");
+    let mut c = Collector::new(
+        NO_CRASH,
+        "no replica or agent process panicked or stopped on a fatal error",
+    );
     for e in events {
         if let Event::Crash { process, line } = e {
             c.violation(format!("{process}: {line}"));

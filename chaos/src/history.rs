@@ -67,7 +67,7 @@ pub enum Event {
         at_ms: u64,
         fenced: bool,
     },
-    /// A replica or agent process panicked (a line of its log saying so).
+    /// A replica or agent process panicked or stopped on a fatal error (the line of its log).
     Crash { process: String, line: String },
     /// Every job at the end of the run, after the faults stopped and the cluster settled.
     Final {

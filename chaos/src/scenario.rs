@@ -146,7 +146,7 @@ pub fn run(opts: RunOptions, stop: Arc<AtomicBool>) -> anyhow::Result<RunResult>
         let panics = if panics.is_empty() {
             String::new()
         } else {
-            format!("; processes that panicked:{panics}")
+            format!("; processes that crashed:{panics}")
         };
         return Err(e.context(format!(
             "the run failed; logs, data and the history are kept in {}{panics}",
@@ -410,7 +410,7 @@ async fn drive(
     Ok(())
 }
 
-/// (process, message) of every panic in the replicas' and agents' logs.
+/// (process, message) of every panic and fatal error in the replicas' and agents' logs.
 fn find_panics(cluster: &LocalCluster) -> Vec<(String, String)> {
     let mut logs: Vec<(String, PathBuf)> = cluster
         .replicas
@@ -432,6 +432,9 @@ fn find_panics(cluster: &LocalCluster) -> Vec<(String, String)> {
                 // The message is on the next line.
                 let msg = lines.get(i + 1).copied().unwrap_or_default();
                 found.push((process.clone(), format!("{} {}", line.trim(), msg.trim())));
+            } else if line.starts_with("chaos: error:") {
+                // A replica or agent that refused to go on (e.g. a corrupt data directory).
+                found.push((process.clone(), line.trim().to_owned()));
             }
         }
     }

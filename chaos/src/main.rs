@@ -98,6 +98,13 @@ struct RunArgs {
     /// Limit for every job to finish once faults stop (invariant 6).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     settle: Duration,
+    /// Attach to a running cluster (HOST:PORT,...) instead of starting one. Only the workload
+    /// and the checks of the replicated state run (needs --no-faults).
+    #[arg(long, value_delimiter = ',')]
+    endpoints: Option<Vec<String>>,
+    /// Set every fault count to 0 (the workload and the checks only).
+    #[arg(long)]
+    no_faults: bool,
     /// text: a readable report; json: progress on stderr, and the last line of stdout a JSON
     /// summary with "violations".
     #[arg(long, value_enum, default_value = "text")]
@@ -187,7 +194,7 @@ fn run_command(a: RunArgs) -> anyhow::Result<ExitCode> {
         (FaultKind::ReplicaWipe, a.wipes),
         (FaultKind::RollingRestart, a.rolling_restarts),
     ] {
-        faults.counts.insert(k, n);
+        faults.counts.insert(k, if a.no_faults { 0 } else { n });
     }
     let stop = Arc::new(AtomicBool::new(false));
     install_interrupt_handler(stop.clone());
@@ -204,6 +211,7 @@ fn run_command(a: RunArgs) -> anyhow::Result<ExitCode> {
         history: a.history,
         settle: a.settle,
         timings: Timings::default(),
+        endpoints: a.endpoints,
         verbose: true,
     };
     let result = run(opts, stop)?;
@@ -214,7 +222,14 @@ fn run_command(a: RunArgs) -> anyhow::Result<ExitCode> {
             println!("{}", result.summary.json());
         }
     }
-    eprintln!("chaos: history: {}", result.history.display());
+    if result.history.exists() {
+        eprintln!("chaos: history: {}", result.history.display());
+    } else {
+        eprintln!(
+            "chaos: the history went with the temporary directory; pass --history FILE or \
+             --dir DIR to keep it"
+        );
+    }
     if let Some(dir) = &result.kept_dir {
         eprintln!("chaos: data, logs and history kept in {}", dir.display());
     }

@@ -58,6 +58,8 @@ pub struct RunOptions {
     /// Limit for the cluster to finish every job once the faults stop.
     pub settle: Duration,
     pub timings: Timings,
+    /// Attach to these replicas instead of starting a cluster (no faults, no agent journals).
+    pub endpoints: Option<Vec<String>>,
     /// Progress lines on stderr.
     pub verbose: bool,
 }
@@ -88,6 +90,34 @@ pub fn run(opts: RunOptions, stop: Arc<AtomicBool>) -> anyhow::Result<RunResult>
         .clone()
         .unwrap_or_else(|| dir.join("history.jsonl"));
     let recorder = Recorder::create(&history)?;
+    if let Some(endpoints) = opts.endpoints.clone() {
+        if opts.faults.total() > 0 {
+            bail!(
+                "--endpoints attaches to a cluster this run did not start, so it cannot kill, \
+                 pause or partition its processes: pass --no-faults (or every fault count 0)"
+            );
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        runtime.block_on(drive_attached(&opts, endpoints, recorder, stop))?;
+        let events = read(&history)?;
+        let report = check(&events);
+        let summary = summarize(&events, &report);
+        let kept_dir = if report.violations() > 0 || opts.dir.is_some() {
+            Some(if opts.dir.is_some() { dir } else { tmp.keep() })
+        } else {
+            None
+        };
+        return Ok(RunResult {
+            history,
+            kept_dir,
+            events,
+            report,
+            summary,
+        });
+    }
 
     let partitioner = if opts.faults.needs_partitions() {
         Some(Partitioner::new()?)
@@ -340,34 +370,10 @@ async fn drive(
     }
     injector.whole_again().await?;
 
-    // Progress: every job leaves the queue (and, the jobs being short, finishes).
-    progress!(
-        opts,
-        "faults stopped; waiting up to {:?} for every job to finish",
-        opts.settle
-    );
-    let deadline = tokio::time::Instant::now() + opts.settle;
-    let (settled, jobs) = loop {
-        let jobs = list_jobs(&mut client, true).await;
-        if let Ok(jobs) = &jobs
-            && jobs
-                .iter()
-                .all(|j| !matches!(j.state.as_str(), "pending" | "scheduled" | "running"))
-        {
-            break (true, jobs.clone());
-        }
-        if tokio::time::Instant::now() >= deadline {
-            break (false, jobs.unwrap_or_default());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    // The observer keeps recording while the cluster settles.
+    settle_and_record_final(opts, &mut client, &recorder).await;
     observing.store(false, Ordering::Relaxed);
     let _ = observer.await;
-    recorder.record(&Event::Final {
-        at_ms: now_ms(),
-        settled,
-        jobs: jobs.iter().map(JobView::from_proto).collect(),
-    });
     // What the agents actually ran.
     for a in injector.cluster.agents.values() {
         let records = node_agent::runtime::read_usage_journal(&a.usage_journal())
@@ -439,6 +445,110 @@ fn find_panics(cluster: &LocalCluster) -> Vec<(String, String)> {
         }
     }
     found
+}
+
+/// Progress: waits until every job has left the queue (and, the jobs being short, finished),
+/// then records the final state.
+async fn settle_and_record_final(opts: &RunOptions, client: &mut Client, recorder: &Recorder) {
+    progress!(
+        opts,
+        "faults stopped; waiting up to {:?} for every job to finish",
+        opts.settle
+    );
+    let deadline = tokio::time::Instant::now() + opts.settle;
+    let (settled, jobs) = loop {
+        let jobs = list_jobs(client, true).await;
+        if let Ok(jobs) = &jobs
+            && jobs
+                .iter()
+                .all(|j| !matches!(j.state.as_str(), "pending" | "scheduled" | "running"))
+        {
+            break (true, jobs.clone());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break (false, jobs.unwrap_or_default());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    recorder.record(&Event::Final {
+        at_ms: now_ms(),
+        settled,
+        jobs: jobs.iter().map(JobView::from_proto).collect(),
+    });
+}
+
+/// `chaos run --endpoints`: the workload, the observer and the checks against a cluster this
+/// run did not start. Without its processes there are no faults to inject and no agent
+/// journals to read; the checks of the replicated state and of the clients' history remain.
+async fn drive_attached(
+    opts: &RunOptions,
+    endpoints: Vec<String>,
+    recorder: Recorder,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    let mut client = Client::new(&endpoints)?;
+    for t in tenants() {
+        client
+            .call(|mut c, to| {
+                let t = t.clone();
+                async move { c.put_tenant(with_timeout(t, to)).await }
+            })
+            .await
+            .with_context(|| format!("creating the workload's tenants through {endpoints:?}"))?;
+    }
+    recorder.record(&Event::Config {
+        at_ms: now_ms(),
+        seed: opts.seed,
+        replicas: endpoints
+            .iter()
+            .map(|e| Member {
+                name: e.clone(),
+                addr: e.clone(),
+            })
+            .collect(),
+        agents: Vec::new(),
+        tenants: tenant_limits(),
+    });
+    let workload = Workload {
+        endpoints: endpoints.clone(),
+        recorder: recorder.clone(),
+        next_op: Arc::new(AtomicU64::new(1)),
+        stop,
+    };
+    let observing = Arc::new(AtomicBool::new(true));
+    let observer = tokio::spawn(observe(
+        endpoints.clone(),
+        recorder.clone(),
+        observing.clone(),
+    ));
+    progress!(
+        opts,
+        "workload: {} jobs over {:?} against {endpoints:?}",
+        opts.jobs,
+        opts.duration
+    );
+    let stats = workload
+        .run(WorkloadConfig {
+            jobs: opts.jobs,
+            clients: opts.clients,
+            duration: opts.duration,
+            cancel_every: 12,
+            resend_every: 10,
+            seed: opts.seed,
+        })
+        .await?;
+    progress!(
+        opts,
+        "workload done: {} submitted, {} acknowledged, {} cancels",
+        stats.submitted,
+        stats.acknowledged,
+        stats.cancels
+    );
+    // The observer keeps recording while the cluster settles.
+    settle_and_record_final(opts, &mut client, &recorder).await;
+    observing.store(false, Ordering::Relaxed);
+    let _ = observer.await;
+    Ok(())
 }
 
 async fn wait_agents_ready(client: &mut Client, timeout: Duration) -> anyhow::Result<()> {

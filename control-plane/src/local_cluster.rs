@@ -76,6 +76,10 @@ pub struct LocalCluster {
     /// Program (and leading arguments) that runs a node agent (`gpuctl agent`, `node-agent`).
     pub agent_program: Option<(PathBuf, Vec<String>)>,
     pub agents: BTreeMap<String, AgentProcess>,
+    /// Each process binds its outgoing connections to the IP address it listens on
+    /// (`GPUCP_SOURCE_ADDRESS`), so that traffic between two processes on distinct loopback
+    /// addresses can be told apart (and cut) by address. Off by default.
+    pub bind_source: bool,
 }
 
 /// Free loopback ports, found by binding port 0. The ports are released before the replicas
@@ -100,14 +104,26 @@ impl LocalCluster {
         cluster: &str,
         ports: &[u16],
     ) -> LocalCluster {
+        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        LocalCluster::new_at(program, program_args, root, cluster, &addrs)
+    }
+
+    /// Describes (does not start) `addrs.len()` replicas with ids 1.. listening on `addrs`.
+    pub fn new_at(
+        program: &Path,
+        program_args: &[&str],
+        root: &Path,
+        cluster: &str,
+        addrs: &[String],
+    ) -> LocalCluster {
         let mut replicas = BTreeMap::new();
-        for (i, port) in ports.iter().enumerate() {
+        for (i, addr) in addrs.iter().enumerate() {
             let id = i as u64 + 1;
             replicas.insert(
                 id,
                 ReplicaProcess {
                     id,
-                    addr: format!("127.0.0.1:{port}"),
+                    addr: addr.clone(),
                     data_dir: root.join(format!("replica-{id}")),
                     log_path: root.join(format!("replica-{id}.log")),
                     child: None,
@@ -130,17 +146,23 @@ impl LocalCluster {
             initial_peers,
             agent_program: None,
             agents: BTreeMap::new(),
+            bind_source: false,
         }
     }
 
     /// Describes a simulated GPU host (not started). `extra_args` go to every start.
     pub fn add_agent(&mut self, name: &str, preset: &str, port: u16, extra_args: &[&str]) {
+        self.add_agent_at(name, preset, &format!("127.0.0.1:{port}"), extra_args);
+    }
+
+    /// As [`Self::add_agent`], listening on `addr` (HOST:PORT).
+    pub fn add_agent_at(&mut self, name: &str, preset: &str, addr: &str, extra_args: &[&str]) {
         self.agents.insert(
             name.to_owned(),
             AgentProcess {
                 name: name.to_owned(),
                 preset: preset.to_owned(),
-                addr: format!("127.0.0.1:{port}"),
+                addr: addr.to_owned(),
                 state_dir: self.root.join(format!("agent-{name}")),
                 log_path: self.root.join(format!("agent-{name}.log")),
                 extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
@@ -184,6 +206,7 @@ impl LocalCluster {
         .arg(&a.state_dir)
         .args(&a.extra_args)
         .envs(self.env.iter().map(|(k, v)| (k, v)))
+        .envs(source_env(self.bind_source, &a.addr))
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
@@ -275,6 +298,7 @@ impl LocalCluster {
             .arg(&r.data_dir)
             .args(&self.extra_args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(source_env(self.bind_source, &r.addr))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -478,6 +502,12 @@ impl Drop for LocalCluster {
             let _ = self.stop(id, Duration::from_secs(5));
         }
     }
+}
+
+/// The `GPUCP_SOURCE_ADDRESS` setting for a process listening on `addr`, when asked for.
+fn source_env(bind: bool, addr: &str) -> Option<(&'static str, String)> {
+    let host = addr.rsplit_once(':').map(|(h, _)| h)?;
+    bind.then(|| (proto::transport::SOURCE_ADDRESS_ENV, host.to_owned()))
 }
 
 /// Children die with their parent, even one killed with SIGKILL.

@@ -1,6 +1,8 @@
 //! Transport helpers every gRPC client and server of the project shares (replicas, gpuctl,
 //! node agents), so connection and retry behaviour is defined once.
 
+use std::net::IpAddr;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
@@ -10,10 +12,36 @@ use tonic::{Code, Status};
 /// well-formed address, so callers may create it before the peer is up.
 pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
     Ok(Endpoint::from_shared(format!("http://{addr}"))?
+        .local_address(source_address())
         .connect_timeout(Duration::from_millis(500))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
         .connect_lazy())
+}
+
+/// Environment variable naming the local IP address every outgoing connection of this process
+/// binds to. Unset (the default), the kernel picks the source address. The chaos harness gives
+/// each replica and agent its own loopback address (127.x.y.z) and sets this to it, so that
+/// iptables rules can cut the traffic of one process without touching the others: on loopback
+/// the kernel would otherwise use 127.0.0.1 as the source of every connection.
+pub const SOURCE_ADDRESS_ENV: &str = "GPUCP_SOURCE_ADDRESS";
+
+/// The address of [`SOURCE_ADDRESS_ENV`], read once. A value that is not an IP address is
+/// ignored with a warning rather than failing every connection.
+pub fn source_address() -> Option<IpAddr> {
+    static SOURCE: OnceLock<Option<IpAddr>> = OnceLock::new();
+    *SOURCE.get_or_init(|| {
+        let value = std::env::var(SOURCE_ADDRESS_ENV).ok()?;
+        match value.trim().parse() {
+            Ok(ip) => Some(ip),
+            Err(_) => {
+                eprintln!(
+                    "warning: {SOURCE_ADDRESS_ENV}={value:?} is not an IP address; ignoring it"
+                );
+                None
+            }
+        }
+    })
 }
 
 /// Whether another attempt (possibly at another replica) may succeed.

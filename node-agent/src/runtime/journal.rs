@@ -48,6 +48,12 @@ pub enum UsageRecord {
         allocation: u64,
         gpus: Vec<String>,
         at_ms: u64,
+        /// When the workload really ended, from the shim's exit file, where it differs from
+        /// `at_ms` (the agent was down when it ended, or the shim fenced it itself). `at_ms`
+        /// stays the conservative end for the GPU ledger; the chaos checker uses this one to
+        /// tell a fenced copy from a second running copy of a job on another node.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        exited_at_ms: Option<u64>,
     },
 }
 
@@ -241,6 +247,7 @@ mod tests {
             allocation,
             gpus: gpus.iter().map(|g| g.to_string()).collect(),
             at_ms,
+            exited_at_ms: None,
         }
     }
 

@@ -236,6 +236,7 @@ impl Runtime {
                         allocation: id,
                         gpus: record.spec.gpus.clone(),
                         at_ms: now_ms(),
+                        exited_at_ms: None,
                     },
                 );
                 self.spawn_error(id, e)
@@ -639,6 +640,7 @@ impl Runtime {
                 allocation: id,
                 gpus: entry.record.spec.gpus.clone(),
                 at_ms: now,
+                exited_at_ms: (at_ms != now).then_some(at_ms),
             },
         ) {
             tracing::error!(allocation = id, error = %e, "cannot journal GPU release");

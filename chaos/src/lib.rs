@@ -1,0 +1,12 @@
+//! Chaos harness for gpu-control-plane: real `control-plane` replicas and node agents on
+//! loopback, a workload, faults on a schedule (kills, pauses, partitions, wipes, rolling
+//! restarts), a recorded history and a checker of the invariants of `shared/DESIGN.md`.
+//! See `chaos/README.md`.
+
+pub mod check;
+pub mod faults;
+pub mod history;
+pub mod partition;
+pub mod scenario;
+pub mod summary;
+pub mod workload;

@@ -127,10 +127,10 @@ impl Agent {
         };
     }
 
-    /// A call's deadline: the client timeout, but never past the lease, so the agent fences
-    /// on time even while a call hangs.
+    /// A call's deadline: one heartbeat interval (a lost message costs one retry, not the
+    /// lease), and never past the lease, so the agent fences on time even while a call hangs.
     fn call_timeout(&self) -> Duration {
-        let full = Duration::from_millis(self.world.params.call_timeout_ms);
+        let full = Duration::from_millis(self.world.params.agent_heartbeat_ms);
         match (self.registered, self.last_ok) {
             (true, Some(ok)) => {
                 let left = (ok + self.lease).saturating_duration_since(Instant::now());
@@ -262,6 +262,13 @@ impl Agent {
                 self.stream = None;
             }
             Err(status) => {
+                if self.world.observer().trace.is_some() {
+                    let at = self.now_ms();
+                    let what = format!("{:?} {}", status.code(), status.message());
+                    self.world
+                        .observer()
+                        .record(at, ("heartbeat failed", self.index, self.target, what));
+                }
                 self.retarget(&status);
                 self.next_heartbeat = Instant::now() + TICK;
             }

@@ -258,11 +258,26 @@ pub fn unfinished(state: &ClusterState, limit: usize) -> (usize, String) {
         .iter()
         .take(limit)
         .map(|j| {
-            let last = j
+            // The last few transitions and where its live allocations are: what a person
+            // needs to see why it is stuck.
+            let recent: Vec<String> = j
                 .history
-                .last()
-                .map(|h| h.reason.as_str())
-                .unwrap_or_default();
+                .iter()
+                .rev()
+                .take(3)
+                .rev()
+                .map(|h| format!("{}@{}: {}", h.state, h.at % 1_000_000, h.reason))
+                .collect();
+            let allocs: Vec<String> = state
+                .allocations_of(j.id)
+                .map(|r| {
+                    format!(
+                        "alloc {} on {} started={} stop={}",
+                        r.allocation.id, r.allocation.node, r.started, r.stop_requested
+                    )
+                })
+                .collect();
+            let last = format!("{} | {}", recent.join(" -> "), allocs.join(", "));
             format!(
                 "job {} ({}x{} GPUs{}, tenant {}) {} ({last})",
                 j.id,

@@ -17,6 +17,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod datadir;
+pub mod dst;
 pub mod leader;
 pub mod local_cluster;
 pub mod raft;

@@ -37,6 +37,8 @@ pub struct Replica {
     pub raft: Raft,
     pub sm: StateMachineStore,
     committed: Arc<AtomicU64>,
+    /// The clock that stamps proposals (`Request::at`) and scheduling passes.
+    clock: Clock,
     /// Channels to the leader (by address) for forwarded calls; connections are reused.
     leader_channels: Mutex<HashMap<String, Channel>>,
 }
@@ -46,6 +48,37 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Where a replica's leader timestamps come from. Production reads the wall clock; the
+/// deterministic simulation (`dst`) derives them from tokio's (paused, auto-advancing) clock so
+/// that the same seed stamps the same times, optionally skewed per replica.
+#[derive(Debug, Clone, Copy)]
+pub enum Clock {
+    System,
+    Simulated {
+        /// Milliseconds since the Unix epoch at `origin`.
+        epoch_ms: u64,
+        origin: tokio::time::Instant,
+        /// This replica's clock error, in ms (may be negative).
+        skew_ms: i64,
+    },
+}
+
+impl Clock {
+    pub fn now_ms(&self) -> u64 {
+        match self {
+            Clock::System => now_ms(),
+            Clock::Simulated {
+                epoch_ms,
+                origin,
+                skew_ms,
+            } => {
+                let elapsed = origin.elapsed().as_millis() as u64;
+                (epoch_ms + elapsed).saturating_add_signed(*skew_ms)
+            }
+        }
+    }
 }
 
 impl Replica {
@@ -64,8 +97,20 @@ impl Replica {
             raft,
             sm,
             committed,
+            clock: Clock::System,
             leader_channels: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Replaces the wall clock (the deterministic simulation's clock).
+    pub fn with_clock(mut self, clock: Clock) -> Replica {
+        self.clock = clock;
+        self
+    }
+
+    /// This replica's notion of now, in ms since the Unix epoch.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
     }
 
     pub fn commit_index(&self) -> u64 {
@@ -77,7 +122,7 @@ impl Replica {
     #[tracing::instrument(level = "debug", skip_all, fields(command = command.kind()), name = "raft.write")]
     pub async fn write(&self, command: Command) -> Result<Outcome, ApiError> {
         let request = Request {
-            at: now_ms(),
+            at: self.now_ms(),
             command,
         };
         match self.raft.client_write(request).await {

@@ -284,6 +284,9 @@ impl AgentApi for AgentService {
                 }
                 // Leadership is re-checked at least every LEADERSHIP_CHECK.
                 tokio::select! {
+                    // Biased so the deterministic simulation replays the same order (tokio's
+                    // fair select uses an unseedable random source); both branches loop.
+                    biased;
                     _ = applied.changed() => {}
                     _ = tokio::time::sleep(LEADERSHIP_CHECK) => {}
                 }

@@ -23,6 +23,25 @@ pub enum SimulateCommand {
     /// Time-based replay through the state machine and scheduler: queueing delay, job
     /// completion time, GPU utilization and unallocatable share, with and without backfill.
     Replay(super::replay::ReplayArgs),
+    /// Deterministic simulation of the whole control plane (Raft, state machine, scheduler,
+    /// leader loops, agent and client APIs) with simulated hosts and clients, under seeded
+    /// crashes, partitions and message loss; checks the six invariants of DESIGN.md per seed.
+    Cluster(ClusterArgs),
+}
+
+#[derive(clap::Args)]
+pub struct ClusterArgs {
+    /// Number of seeds, consecutive from --first-seed.
+    #[arg(long, default_value_t = crate::dst::DEFAULT_SEEDS)]
+    pub seeds: u64,
+    #[arg(long, default_value_t = 0)]
+    pub first_seed: u64,
+    /// Run this one seed only (to rerun a failure); overrides --seeds and --first-seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Worker threads, one seed each at a time (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
 }
 
 #[derive(clap::Args)]
@@ -65,7 +84,103 @@ pub fn run(command: SimulateCommand, fmt: Format) -> anyhow::Result<()> {
     match command {
         SimulateCommand::Fragmentation(args) => fragmentation(args, fmt),
         SimulateCommand::Replay(args) => super::replay::run(args, fmt),
+        SimulateCommand::Cluster(args) => cluster(args, fmt),
     }
+}
+
+fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
+    let seeds: Vec<u64> = match args.seed {
+        Some(s) => vec![s],
+        None => (args.first_seed..args.first_seed.saturating_add(args.seeds)).collect(),
+    };
+    let threads = if args.threads == 0 {
+        crate::dst::default_threads()
+    } else {
+        args.threads
+    };
+    let started = Instant::now();
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let total = seeds.len() as u64;
+    let progress = |r: &crate::dst::SeedReport| {
+        let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if !r.violations.is_empty() {
+            eprint!("{}", r.describe_failure());
+        }
+        if fmt == Format::Table && (n.is_multiple_of(500) || n == total) {
+            eprintln!(
+                "{n}/{total} seeds, {:.0} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    };
+    let summary = crate::dst::run_seeds(&seeds, &crate::dst::Params::default(), threads, &progress);
+    let wall = started.elapsed().as_secs_f64();
+    let failed: Vec<u64> = summary.failed.iter().map(|r| r.seed).collect();
+    match fmt {
+        Format::Json => {
+            let v = json!({
+                "seeds": summary.seeds,
+                "first_seed": seeds.first(),
+                "threads": threads,
+                "wall_s": (wall * 1000.0).round() / 1000.0,
+                "simulated_s": summary.sim_ms / 1000,
+                "faults": summary.faults,
+                "jobs_acknowledged": summary.jobs_acked,
+                "jobs_refused": summary.jobs_refused,
+                "jobs_succeeded": summary.jobs_succeeded,
+                "client_retries": summary.client_retries,
+                "processes_started": summary.processes_started,
+                "messages": summary.messages,
+                "messages_lost": summary.messages_lost,
+                "violations": summary.violations(),
+                "failed_seeds": failed,
+            });
+            println!("{v}");
+        }
+        Format::Table => {
+            println!(
+                "{} seeds ({}..={}) on {threads} threads in {wall:.1} s; {:.0} simulated minutes",
+                summary.seeds,
+                seeds.first().copied().unwrap_or(0),
+                seeds.last().copied().unwrap_or(0),
+                summary.sim_ms as f64 / 60_000.0
+            );
+            let rows: Vec<Vec<String>> = summary
+                .faults
+                .iter()
+                .map(|(k, v)| vec![(*k).to_owned(), v.to_string()])
+                .collect();
+            print!("{}", table(&["FAULT", "INJECTED"], &rows));
+            println!(
+                "jobs: {} acknowledged, {} refused at submission, {} succeeded; {} client retries; {} processes started",
+                summary.jobs_acked,
+                summary.jobs_refused,
+                summary.jobs_succeeded,
+                summary.client_retries,
+                summary.processes_started
+            );
+            println!(
+                "messages: {} sent, {} lost",
+                summary.messages, summary.messages_lost
+            );
+            println!(
+                "violations: {} in {} seed(s){}",
+                summary.violations(),
+                failed.len(),
+                if failed.is_empty() {
+                    String::new()
+                } else {
+                    format!(": seeds {failed:?}")
+                }
+            );
+        }
+    }
+    anyhow::ensure!(
+        failed.is_empty(),
+        "{} seed(s) violated invariants; rerun one with `gpuctl simulate cluster --seed N`",
+        failed.len()
+    );
+    Ok(())
 }
 
 fn fragmentation(args: FragmentationArgs, fmt: Format) -> anyhow::Result<()> {

@@ -4,7 +4,10 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's Instant: std's in production, simulated time under the deterministic simulation.
+use tokio::time::Instant;
 
 #[derive(Default)]
 pub struct Liveness {

@@ -12,7 +12,11 @@
 pub mod liveness;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's Instant is std's in production; under the simulation's paused clock it follows
+// simulated time, so the same loops run in both.
+use tokio::time::Instant;
 
 use openraft::ServerState;
 use tokio::task::JoinHandle;
@@ -98,6 +102,9 @@ async fn leader_loops(
     let mut last_liveness_check = Instant::now();
     loop {
         tokio::select! {
+            // Biased: tokio's fair select draws from a per-runtime random seed the simulation
+            // cannot fix; either branch leads to the same pass, so the order costs nothing.
+            biased;
             _ = applied.changed() => {
                 // Let a burst of submissions land before planning once for all of them.
                 tokio::time::sleep(Duration::from_millis(2)).await;
@@ -141,7 +148,7 @@ async fn schedule_once(
 ) -> Result<bool, ApiError> {
     let plan = {
         let data = replica.sm.read();
-        scheduler::plan_with(&data.cluster, crate::replica::now_ms(), policy)
+        scheduler::plan_with(&data.cluster, replica.now_ms(), policy)
     };
     if plan.is_empty() {
         return Ok(false);

@@ -45,9 +45,44 @@ pub struct JobEvent {
     pub log_index: u64,
 }
 
+/// Where the latest snapshot is kept: sled in production; a shared in-memory slot in the
+/// deterministic simulation, where it outlives a simulated crash as a disk would.
+#[derive(Clone)]
+pub enum SnapshotStore {
+    Sled(sled::Tree),
+    Memory(Arc<std::sync::Mutex<Option<Vec<u8>>>>),
+}
+
+impl SnapshotStore {
+    fn get(&self) -> Result<Option<Vec<u8>>, String> {
+        match self {
+            SnapshotStore::Sled(tree) => tree
+                .get(SNAPSHOT_KEY)
+                .map(|v| v.map(|b| b.to_vec()))
+                .map_err(|e| e.to_string()),
+            SnapshotStore::Memory(slot) => Ok(slot.lock().expect("snapshot slot poisoned").clone()),
+        }
+    }
+
+    fn put(&self, bytes: Vec<u8>) -> Result<(), String> {
+        match self {
+            SnapshotStore::Sled(tree) => {
+                tree.insert(SNAPSHOT_KEY, bytes)
+                    .map_err(|e| e.to_string())?;
+                tree.flush().map_err(|e| e.to_string())?;
+                Ok(())
+            }
+            SnapshotStore::Memory(slot) => {
+                *slot.lock().expect("snapshot slot poisoned") = Some(bytes);
+                Ok(())
+            }
+        }
+    }
+}
+
 struct Shared {
     data: RwLock<StateMachineData>,
-    snapshots: sled::Tree,
+    snapshots: SnapshotStore,
     events: broadcast::Sender<JobEvent>,
     /// Last applied log index, for loops that react to any change (scheduling, assignments).
     applied: watch::Sender<u64>,
@@ -67,9 +102,14 @@ impl StateMachineStore {
         let snapshots = db
             .open_tree("snapshot")
             .map_err(|e| format!("opening the snapshot tree: {e}"))?;
+        Self::open_with(SnapshotStore::Sled(snapshots))
+    }
+
+    /// Opens the state machine over any snapshot store, loading its snapshot if there is one.
+    pub fn open_with(snapshots: SnapshotStore) -> Result<StateMachineStore, String> {
         let mut data = StateMachineData::default();
         if let Some(bytes) = snapshots
-            .get(SNAPSHOT_KEY)
+            .get()
             .map_err(|e| format!("reading the snapshot: {e}"))?
         {
             let stored: StoredSnapshot = serde_json::from_slice(&bytes)
@@ -115,14 +155,9 @@ impl StateMachineStore {
     fn write_snapshot(&self, stored: &StoredSnapshot) -> Result<(), StorageError> {
         let bytes = serde_json::to_vec(stored)
             .map_err(|e| StorageIOError::write_snapshot(Some(stored.meta.signature()), &e))?;
-        self.shared
-            .snapshots
-            .insert(SNAPSHOT_KEY, bytes)
-            .map_err(|e| StorageIOError::write_snapshot(Some(stored.meta.signature()), &e))?;
-        self.shared
-            .snapshots
-            .flush()
-            .map_err(|e| StorageIOError::write_snapshot(Some(stored.meta.signature()), &e))?;
+        self.shared.snapshots.put(bytes).map_err(|e| {
+            StorageIOError::write_snapshot(Some(stored.meta.signature()), &std::io::Error::other(e))
+        })?;
         Ok(())
     }
 }
@@ -281,8 +316,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let Some(bytes) = self
             .shared
             .snapshots
-            .get(SNAPSHOT_KEY)
-            .map_err(|e| StorageIOError::read_snapshot(None, &e))?
+            .get()
+            .map_err(|e| StorageIOError::read_snapshot(None, &std::io::Error::other(e)))?
         else {
             return Ok(None);
         };

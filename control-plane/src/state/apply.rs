@@ -102,6 +102,23 @@ impl ClusterState {
                 ),
             ));
         }
+        // A job larger than its tenant's limit could never start: refuse it now rather than
+        // leave it pending forever.
+        if let Some(t) = self.tenants.get(&spec.tenant)
+            && t.max_gpus > 0
+            && spec.total_gpu_milli() > u64::from(t.max_gpus) * MILLI_PER_GPU
+        {
+            return Err(Rejection::invalid(
+                "gpus",
+                format!(
+                    "the job needs {} GPUs in all, more than tenant {:?} may hold (max_gpus {}); \
+                     ask for fewer or raise the tenant's limit",
+                    spec.total_gpu_milli().div_ceil(MILLI_PER_GPU),
+                    t.name,
+                    t.max_gpus
+                ),
+            ));
+        }
         if let Some(p) = &spec.partition
             && !self.partitions.is_empty()
             && !self.partitions.contains_key(p)

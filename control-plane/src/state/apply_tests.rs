@@ -475,6 +475,27 @@ fn submit_rejects_an_unknown_tenant_once_tenants_are_configured() {
 }
 
 #[test]
+fn submit_rejects_a_job_larger_than_its_tenants_limit() {
+    let mut h = Harness::fleet();
+    let tenant = Tenant {
+        name: "ml".into(),
+        weight: 1,
+        quota_gpus: 2,
+        max_gpus: 4,
+    };
+    assert_eq!(
+        h.apply(Command::PutTenant { tenant }).outcome,
+        Outcome::Done
+    );
+    h.submit(job(4).tenant("ml").spec());
+    let r = h.reject(Command::submit(job(2).tenant("ml").tasks(3).spec(), None));
+    assert_eq!(r.kind, RejectKind::InvalidArgument);
+    assert_eq!(r.field.as_deref(), Some("gpus"));
+    assert!(r.message.contains("max_gpus 4"), "{r}");
+    assert_eq!(h.state.last_job_id, 1, "a refused job changes nothing");
+}
+
+#[test]
 fn submit_rejects_an_unknown_partition_once_partitions_are_configured() {
     let mut h = Harness::fleet();
     let partition = Partition {

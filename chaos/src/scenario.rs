@@ -222,15 +222,9 @@ async fn drive(
         .context("the replicas did not elect a leader")?;
     let endpoints = cluster.endpoints();
     let mut client = Client::new(&endpoints)?;
-    for t in tenants() {
-        client
-            .call(|mut c, to| {
-                let t = t.clone();
-                async move { c.put_tenant(with_timeout(t, to)).await }
-            })
-            .await
-            .context("creating the workload's tenants")?;
-    }
+    put_tenants(&mut client)
+        .await
+        .context("creating the workload's tenants")?;
     for (name, _) in AGENTS {
         cluster.start_agent(name)?;
     }
@@ -487,15 +481,9 @@ async fn drive_attached(
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
     let mut client = Client::new(&endpoints)?;
-    for t in tenants() {
-        client
-            .call(|mut c, to| {
-                let t = t.clone();
-                async move { c.put_tenant(with_timeout(t, to)).await }
-            })
-            .await
-            .with_context(|| format!("creating the workload's tenants through {endpoints:?}"))?;
-    }
+    put_tenants(&mut client)
+        .await
+        .with_context(|| format!("creating the workload's tenants through {endpoints:?}"))?;
     recorder.record(&Event::Config {
         at_ms: now_ms(),
         seed: opts.seed,
@@ -611,4 +599,17 @@ async fn observe(endpoints: Vec<String>, recorder: Recorder, running: Arc<Atomic
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// Creates (or updates) the workload's tenants, so its quotas and limits hold from the start.
+async fn put_tenants(client: &mut Client) -> anyhow::Result<()> {
+    for t in tenants() {
+        client
+            .call(|mut c, to| {
+                let t = t.clone();
+                async move { c.put_tenant(with_timeout(t, to)).await }
+            })
+            .await?;
+    }
+    Ok(())
 }

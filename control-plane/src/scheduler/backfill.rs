@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::fleet::{FastMap, GroupId, NodeFree, NodeIdx};
 use super::live::LiveAllocation;
 use super::placement::{FitMemo, Placer, Shape, Units, count_fit, give_back};
-use crate::state::{AllocationRecord, Job, JobId, Timestamp};
+use crate::state::{Job, JobId, Timestamp};
 
 /// The head job's reservation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -40,7 +40,7 @@ struct Release<'s> {
 
 enum ReleaseKind<'s> {
     /// A live allocation ends (with its job, so nothing is looked up again).
-    Allocation(&'s AllocationRecord, &'s Job),
+    Allocation(&'s LiveAllocation<'s>),
     /// A task placed earlier in this pass ends.
     Planned(&'s Shape, &'s Units),
 }
@@ -68,7 +68,7 @@ fn earliest_by_units(
     }
     for r in releases {
         units += match &r.kind {
-            ReleaseKind::Allocation(rec, _) => rec.allocation.gpus.len() as u64,
+            ReleaseKind::Allocation(a) => u64::from(a.units),
             ReleaseKind::Planned(_, Units::Gpus(g)) => g.len() as u64,
             ReleaseKind::Planned(_, Units::Slices(s)) => s.len() as u64,
         };
@@ -87,7 +87,7 @@ pub fn reserve<'s>(
     shape: &Shape,
     now: Timestamp,
     planned: &'s [(NodeIdx, Option<Timestamp>, Shape, Units)],
-    live: &[LiveAllocation<'s>],
+    live: &'s [LiveAllocation<'s>],
 ) -> Option<Reservation> {
     let tasks = job.spec.tasks;
     // Releases per node, in time order.
@@ -95,26 +95,16 @@ pub fn reserve<'s>(
     let mut releases: Vec<Vec<Release<'s>>> = Vec::new();
     releases.resize_with(placer.fleet.nodes.len(), Vec::new);
     for a in live {
-        let (rec, o) = (a.rec, a.job);
-        let Some(idx) = a.node else { continue };
+        let (Some(idx), Some(at)) = (a.node, a.ends_at) else {
+            continue;
+        };
         if placer.fleet.nodes[idx as usize].shadow.is_some() {
             continue;
         }
-        let end = if rec.stop_requested || o.ending.is_some() {
-            Some(now)
-        } else {
-            o.spec.time_limit_secs.map(|s| {
-                rec.allocation
-                    .created_at
-                    .saturating_add(s.saturating_mul(1000))
-            })
-        };
-        if let Some(at) = end {
-            releases[idx as usize].push(Release {
-                at: at.max(now),
-                kind: ReleaseKind::Allocation(rec, o),
-            });
-        }
+        releases[idx as usize].push(Release {
+            at,
+            kind: ReleaseKind::Allocation(a),
+        });
     }
     for (idx, end, s, units) in planned {
         if let Some(at) = end {
@@ -164,7 +154,7 @@ pub fn reserve<'s>(
             let at = rel[i].at;
             while i < rel.len() && rel[i].at == at {
                 match &rel[i].kind {
-                    ReleaseKind::Allocation(rec, owner) => free.add_allocation(n.node, owner, rec),
+                    ReleaseKind::Allocation(a) => free.add_allocation(n.node, a.job, a.rec),
                     ReleaseKind::Planned(s, units) => free = give_back(n.node, &free, s, units),
                 }
                 i += 1;

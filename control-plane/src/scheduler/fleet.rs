@@ -126,7 +126,7 @@ impl<'a> Fleet<'a> {
     pub fn build(state: &'a ClusterState) -> Fleet<'a> {
         let mut fleet = Fleet {
             nodes: Vec::with_capacity(state.nodes.len()),
-            index_of: FastMap::default(),
+            index_of: FastMap::with_capacity_and_hasher(state.nodes.len(), Default::default()),
             groups: Vec::new(),
             group_of: FastMap::default(),
             events: Vec::new(),

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+
 use serde::Serialize;
 
 use super::fleet::{FastMap, NodeFree, NodeIdx};
@@ -48,19 +49,6 @@ pub fn select(
         state.gpu_milli_held_by_tenant(&t.name) + head.spec.total_gpu_milli()
             <= u64::from(t.quota_gpus) * MILLI_PER_GPU
     });
-    let borrowing: BTreeSet<&str> = state
-        .index
-        .tenant_held_milli
-        .iter()
-        .filter(|(t, held)| {
-            **held
-                > state
-                    .tenants
-                    .get(t.as_str())
-                    .map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU)
-        })
-        .map(|(t, _)| t.as_str())
-        .collect();
     // Candidates and their allocations per node, in one walk over the live allocations (a
     // job's allocations are usually adjacent, so its rules are checked once): on a full
     // cluster this walk is most of the pass.
@@ -75,41 +63,31 @@ pub fn select(
     let mut last: Option<(JobId, Option<&Job>)> = None;
     let mut reclaim_allowed: FastMap<&str, bool> = FastMap::default();
     for a in live {
-        let (rec, id) = (a.rec, a.rec.allocation.job);
+        let (rec, id, class) = (a.rec, a.job_id, a.class);
         let candidate = match last {
             Some((j, c)) if j == id => c,
             _ => {
-                let job = a.job;
                 // Victims chosen for this job earlier are still stopping: wait.
-                if job
-                    .ending
-                    .as_ref()
-                    .is_some_and(|e| e.preempted_for == Some(head.id))
-                {
+                if class.preempted_for == Some(head.id) {
                     return None;
                 }
-                let lower =
-                    job.spec.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
-                let reclaimable = reclaiming
-                    && job.spec.tenant != head.spec.tenant
-                    && borrowing.contains(job.spec.tenant.as_str());
-                // The exact rule apply checks. Its reclaim branch depends only on the
-                // victim's tenant once the job itself is live, so it is evaluated once
-                // per tenant: it looks tenants up by name, and a full cluster has tens
-                // of thousands of running jobs.
-                let allowed = job.id != head.id
+                let lower = class.preemptible && class.rank < head_rank;
+                let reclaimable = reclaiming && class.tenant_borrowing && !class.stopping;
+                // The exact rule apply checks, on the few jobs the facts above leave. Its
+                // reclaim branch depends only on the victim's tenant once the job itself is
+                // live, so it is evaluated once per tenant: it looks tenants up by name, and a
+                // full cluster has tens of thousands of running jobs.
+                let allowed = id != head.id
                     && if lower {
-                        state.check_preemption_of(head, job).is_ok()
-                    } else if reclaimable {
-                        job.ending.is_none()
-                            && !job.state.is_final()
-                            && *reclaim_allowed
-                                .entry(job.spec.tenant.as_str())
-                                .or_insert_with(|| state.check_preemption_of(head, job).is_ok())
+                        state.check_preemption_of(head, a.job).is_ok()
+                    } else if reclaimable && a.job.spec.tenant != head.spec.tenant {
+                        *reclaim_allowed
+                            .entry(a.job.spec.tenant.as_str())
+                            .or_insert_with(|| state.check_preemption_of(head, a.job).is_ok())
                     } else {
                         false
                     };
-                let c = allowed.then_some(job);
+                let c = allowed.then_some(a.job);
                 last = Some((id, c));
                 c
             }
@@ -119,9 +97,9 @@ pub fn select(
         };
         let since = &mut started
             .entry(id)
-            .or_insert((job, rec.allocation.created_at))
+            .or_insert((job, a.created_at))
             .1;
-        *since = (*since).min(rec.allocation.created_at);
+        *since = (*since).min(a.created_at);
         let Some(node) = a.node else { continue };
         allocs_on[node as usize].push((job, rec));
         let list = &mut victims_on[node as usize];

@@ -10,6 +10,7 @@ pub mod command;
 pub mod free;
 #[cfg(test)]
 mod proptests;
+mod retention;
 pub mod types;
 pub mod validate;
 
@@ -21,6 +22,7 @@ pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use command::{
     Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
 };
+pub use retention::spec_fingerprint;
 pub use types::*;
 
 /// Extra per-allocation bookkeeping that only the state machine needs.
@@ -57,6 +59,11 @@ pub struct ClusterState {
     /// Tenant → decayed GPU-seconds of finished allocations (fair share).
     #[serde(default)]
     pub tenant_usage: BTreeMap<String, DecayedUsage>,
+    /// Finished jobs whose full record was dropped after its retention (`CompactJobs`), by id.
+    /// A job is in `jobs` or here, never both; past the archive's own retention it is in
+    /// neither (its id is still at most `last_job_id`, so "never existed" stays answerable).
+    #[serde(default)]
+    pub archived: BTreeMap<JobId, ArchivedJob>,
     /// Derived indexes, rebuilt from the data above after a snapshot is loaded
     /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
     #[serde(skip)]
@@ -92,6 +99,11 @@ pub struct Indexes {
     /// Tenant → (milli-GPU of its live allocations, Σ milli × created_at): what running work
     /// has used so far is `now × first − second`, without visiting every allocation.
     pub tenant_running: BTreeMap<String, (u64, u128)>,
+    /// Finished jobs that still have their full record, by (end time, id): compaction takes
+    /// the oldest from the front instead of scanning every job.
+    pub finished: BTreeSet<(Timestamp, JobId)>,
+    /// Archived jobs by (end time, id), oldest first, for the same reason.
+    pub archived_by_end: BTreeSet<(Timestamp, JobId)>,
 }
 
 /// Fingerprint of what a node's hardware offers the scheduler (not its health or usage).
@@ -227,6 +239,12 @@ impl ClusterState {
                     index.dependents.entry(dep.job).or_default().insert(job.id);
                 }
             }
+            if job.state.is_final() {
+                index.finished.insert((job.last_change_at(), job.id));
+            }
+        }
+        for a in self.archived.values() {
+            index.archived_by_end.insert((a.ended_at, a.id));
         }
         for rec in self.allocations.values() {
             index_allocation(&mut index, &self.jobs, &rec.allocation, true);
@@ -318,7 +336,7 @@ impl ClusterState {
                 return Err(format!("pending job {} holds allocations", job.id));
             }
         }
-        Ok(())
+        self.check_archive()
     }
 }
 

@@ -270,6 +270,13 @@ pub struct Job {
     pub ending: Option<Ending>,
 }
 
+impl Job {
+    /// Leader time of the job's last state change (for a finished job: when it ended).
+    pub fn last_change_at(&self) -> Timestamp {
+        self.history.last().map_or(self.submitted_at, |h| h.at)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ending {
     pub state: JobState,
@@ -353,4 +360,40 @@ pub struct GpuShares {
 pub struct Partition {
     pub name: String,
     pub description: String,
+}
+
+/// What is left of a finished job once its full record has been archived (see
+/// `retention.rs`): enough to answer `get`, a retry with its idempotency key, and a dependency
+/// on it, but not its spec, history or placement.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArchivedJob {
+    pub id: JobId,
+    pub tenant: String,
+    pub name: String,
+    pub idempotency_key: Option<String>,
+    /// `spec_fingerprint` of its spec: a retry with the same key must carry the same spec.
+    pub spec_fingerprint: u64,
+    /// The final state (succeeded, failed, cancelled, timed out).
+    pub state: JobState,
+    /// Why it ended (exit code, signal, who cancelled), as its last history entry said.
+    pub reason: String,
+    pub submitted_at: Timestamp,
+    pub ended_at: Timestamp,
+    pub archived_at: Timestamp,
+}
+
+/// How long finished jobs are kept: first whole, then as an `ArchivedJob`, then not at all.
+/// Carried by each `CompactJobs` command (the leader's configuration), so every replica
+/// compacts alike whatever its own configuration says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRetention {
+    /// A finished job keeps its full record at least this long after it ended...
+    pub full_record_ms: u64,
+    /// ...unless more than this many finished jobs have full records: then the oldest are
+    /// archived early.
+    pub max_full_records: u64,
+    /// An archived job (and its idempotency key) is kept this long after the job ended...
+    pub archive_ms: u64,
+    /// ...unless more than this many jobs are archived: then the oldest are forgotten early.
+    pub max_archived: u64,
 }

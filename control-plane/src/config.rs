@@ -41,6 +41,10 @@ impl Defaults {
     pub const ELECTION_MIN_MS: u64 = 100;
     pub const ELECTION_MAX_MS: u64 = 200;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
+    /// sled's page cache. Its own default (1 GiB) kept the latest snapshot, a single value of
+    /// hundreds of megabytes with a million job records, resident next to the state it was
+    /// made from; the log's recent entries fit in far less.
+    pub const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
     pub const KEEP_BEHIND_SNAPSHOT: u64 = 1_000;
     /// Agents stop their workloads after 5 s without a successful heartbeat; the control plane
     /// requeues a silent node's work 5 s after that (time for a fenced agent to kill them).

@@ -161,16 +161,16 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
     pb::Job {
         id: job.id,
         spec: Some(pb::JobSpec {
-            tenant: job.tenant.clone(),
-            name: job.name.clone(),
+            tenant: job.tenant().to_owned(),
+            name: job.name().to_owned(),
             ..Default::default()
         }),
-        idempotency_key: job.idempotency_key.clone().unwrap_or_default(),
+        idempotency_key: job.idempotency_key().unwrap_or_default().to_owned(),
         state: job.state.as_str().to_owned(),
         submitted_at_ms: job.submitted_at,
         history: vec![
             change(job.submitted_at, state::JobState::Pending, "submitted"),
-            change(job.ended_at, job.state, &job.reason),
+            change(job.ended_at, job.state, job.reason()),
             change(
                 job.archived_at,
                 job.state,

@@ -218,7 +218,7 @@ impl ControlPlane for ControlPlaneService {
                             states.contains(&a.state)
                         }
                     })
-                    .filter(|a| req.tenant.is_empty() || a.tenant == req.tenant)
+                    .filter(|a| req.tenant.is_empty() || a.tenant() == req.tenant)
                     // The partition is not kept in the archive: a partition filter skips it.
                     .filter(|_| req.partition.is_empty())
                     .map(convert::archived_job_to_proto);

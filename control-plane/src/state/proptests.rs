@@ -804,11 +804,11 @@ proptest! {
     fn an_idempotency_key_names_at_most_one_job(steps in steps()) {
         execute(&steps, |e| {
             let mut keyed: BTreeMap<(&str, &str), JobId> = BTreeMap::new();
-            let whole = e.after.jobs.values().map(|j| (j.id, j.spec.tenant.as_str(), &j.idempotency_key));
-            let archived = e.after.archived.values().map(|a| (a.id, a.tenant.as_str(), &a.idempotency_key));
+            let whole = e.after.jobs.values().map(|j| (j.id, j.spec.tenant.as_str(), j.idempotency_key.as_deref()));
+            let archived = e.after.archived.values().map(|a| (a.id, a.tenant(), a.idempotency_key()));
             for (id, tenant, key) in whole.chain(archived) {
                 if let Some(key) = key {
-                    let previous = keyed.insert((tenant, key.as_str()), id);
+                    let previous = keyed.insert((tenant, key), id);
                     prop_assert!(
                         previous.is_none(),
                         "tenant {} key {} names jobs {:?} and {}",

@@ -132,15 +132,15 @@ impl ClusterState {
     /// Drops the idempotency key of a forgotten job: a retry after this creates a new job, as
     /// the retention documents.
     fn forget_key(&mut self, a: &ArchivedJob) {
-        let Some(key) = &a.idempotency_key else {
+        let Some(key) = a.idempotency_key() else {
             return;
         };
-        if let Some(keys) = self.idempotency.get_mut(&a.tenant) {
+        if let Some(keys) = self.idempotency.get_mut(a.tenant()) {
             if keys.get(key) == Some(&a.id) {
                 keys.remove(key);
             }
             if keys.is_empty() {
-                self.idempotency.remove(&a.tenant);
+                self.idempotency.remove(a.tenant());
             }
         }
     }
@@ -165,7 +165,7 @@ impl ClusterState {
             for (key, id) in keys {
                 let owner = match (self.jobs.get(id), self.archived.get(id)) {
                     (Some(j), _) => (j.spec.tenant.as_str(), j.idempotency_key.as_deref()),
-                    (None, Some(a)) => (a.tenant.as_str(), a.idempotency_key.as_deref()),
+                    (None, Some(a)) => (a.tenant(), a.idempotency_key()),
                     (None, None) => {
                         return Err(format!(
                             "idempotency key {key:?} of tenant {tenant} names forgotten job {id}"
@@ -186,21 +186,15 @@ impl ClusterState {
 
 /// The compact record of a finished job.
 fn archive(job: Job, ended_at: Timestamp, at: Timestamp) -> ArchivedJob {
-    let reason = job
-        .history
-        .last()
-        .map(|h| h.reason.clone())
-        .unwrap_or_default();
-    ArchivedJob {
-        id: job.id,
-        spec_fingerprint: spec_fingerprint(&job.spec),
-        tenant: job.spec.tenant,
-        name: job.spec.name,
-        idempotency_key: job.idempotency_key,
-        state: job.state,
+    let reason = job.history.last().map_or("", |h| h.reason.as_str());
+    ArchivedJob::new(
+        job.id,
+        &job.spec.tenant,
+        &job.spec.name,
+        job.idempotency_key.as_deref(),
+        spec_fingerprint(&job.spec),
+        job.state,
         reason,
-        submitted_at: job.submitted_at,
-        ended_at,
-        archived_at: at,
-    }
+        (job.submitted_at, ended_at, at),
+    )
 }

@@ -55,10 +55,11 @@ fn a_finished_job_is_archived_after_its_retention_then_forgotten_after_the_archi
     assert!(!h.state.jobs.contains_key(&id));
     let a = &h.state.archived[&id];
     assert_eq!(
-        (a.state, a.tenant.as_str(), a.name.as_str(), a.ended_at),
+        (a.state, a.tenant(), a.name(), a.ended_at),
         (JobState::Succeeded, "ml", "done", ended)
     );
-    assert_eq!(a.reason, "all tasks exited 0");
+    assert_eq!(a.reason(), "all tasks exited 0");
+    assert_eq!(a.idempotency_key(), None);
     assert_eq!(h.state.job_outcome(id), Some((JobState::Succeeded, ended)));
     assert!(
         h.state.missing_job(id).contains("archived"),

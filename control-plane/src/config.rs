@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use crate::leader::LeaderConfig;
 use crate::raft::{NodeId, RaftTuning};
+use crate::state::JobRetention;
 
 fn ms(v: u64) -> std::time::Duration {
     std::time::Duration::from_millis(v)
@@ -18,6 +19,16 @@ fn ms(v: u64) -> std::time::Duration {
 pub struct Defaults;
 
 impl Defaults {
+    /// The default retention of finished jobs, as one value.
+    pub fn job_retention() -> JobRetention {
+        JobRetention {
+            full_record_ms: Self::FINISHED_JOB_RETENTION_SECS * 1000,
+            max_full_records: Self::MAX_FINISHED_JOBS,
+            archive_ms: Self::ARCHIVE_RETENTION_SECS * 1000,
+            max_archived: Self::MAX_ARCHIVED_JOBS,
+        }
+    }
+
     pub const CLUSTER: &'static str = "gpu-cluster";
     pub const LISTEN: &'static str = "127.0.0.1:7001";
     pub const DATA_DIR: &'static str = "./data";
@@ -30,6 +41,10 @@ impl Defaults {
     pub const ELECTION_MIN_MS: u64 = 100;
     pub const ELECTION_MAX_MS: u64 = 200;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
+    /// sled's page cache. Its own default (1 GiB) kept the latest snapshot, a single value of
+    /// hundreds of megabytes with a million job records, resident next to the state it was
+    /// made from; the log's recent entries fit in far less.
+    pub const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
     pub const KEEP_BEHIND_SNAPSHOT: u64 = 1_000;
     /// Agents stop their workloads after 5 s without a successful heartbeat; the control plane
     /// requeues a silent node's work 5 s after that (time for a fenced agent to kill them).
@@ -42,6 +57,18 @@ impl Defaults {
     pub const BACKFILL: bool = true;
     pub const PREEMPTION: bool = true;
     pub const PLACEMENT_SCORE: &'static str = "fgd";
+    /// Finished jobs keep their full record (spec, history, placement) for an hour (Slurm's
+    /// MinJobAge is 5 minutes)...
+    pub const FINISHED_JOB_RETENTION_SECS: u64 = 3600;
+    /// ...and at most 50,000 of them do, so a burst of short jobs cannot grow the state.
+    pub const MAX_FINISHED_JOBS: u64 = 50_000;
+    /// Then an archived record (final state, reason, times, idempotency key) is kept for a
+    /// week: the window in which a retry with the same idempotency key finds the job...
+    pub const ARCHIVE_RETENTION_SECS: u64 = 7 * 24 * 3600;
+    /// ...for at most a million jobs (a few hundred bytes each; `gpuctl bench memory`).
+    pub const MAX_ARCHIVED_JOBS: u64 = 1_000_000;
+    /// How often the leader checks whether finished jobs are due for compaction.
+    pub const COMPACTION_INTERVAL_MS: u64 = 60_000;
     pub const LOG_FILTER: &'static str =
         "info,openraft=off,sled=warn,h2=warn,tower=warn,hyper=warn";
 }
@@ -111,6 +138,18 @@ pub struct ReplicaArgs {
     /// Placement score: fgd (fragmentation-aware) or best-fit.
     #[arg(long, value_name = "POLICY")]
     pub placement_score: Option<String>,
+    /// Finished jobs keep their full record (spec, history) this long, then are archived.
+    #[arg(long, value_name = "SECS")]
+    pub finished_job_retention_secs: Option<u64>,
+    /// At most this many finished jobs keep their full record (the oldest are archived first).
+    #[arg(long, value_name = "JOBS")]
+    pub max_finished_jobs: Option<u64>,
+    /// Archived jobs (final state, idempotency key) are forgotten this long after they ended.
+    #[arg(long, value_name = "SECS")]
+    pub archive_retention_secs: Option<u64>,
+    /// At most this many archived jobs are kept (the oldest are forgotten first).
+    #[arg(long, value_name = "JOBS")]
+    pub max_archived_jobs: Option<u64>,
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://localhost:4317).
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
@@ -299,6 +338,27 @@ impl ReplicaArgs {
                     },
                     ..crate::scheduler::Policy::default()
                 },
+                retention: JobRetention {
+                    full_record_ms: 1000
+                        * self
+                            .finished_job_retention_secs
+                            .or(file.finished_job_retention_secs)
+                            .unwrap_or(Defaults::FINISHED_JOB_RETENTION_SECS),
+                    max_full_records: self
+                        .max_finished_jobs
+                        .or(file.max_finished_jobs)
+                        .unwrap_or(Defaults::MAX_FINISHED_JOBS),
+                    archive_ms: 1000
+                        * self
+                            .archive_retention_secs
+                            .or(file.archive_retention_secs)
+                            .unwrap_or(Defaults::ARCHIVE_RETENTION_SECS),
+                    max_archived: self
+                        .max_archived_jobs
+                        .or(file.max_archived_jobs)
+                        .unwrap_or(Defaults::MAX_ARCHIVED_JOBS),
+                },
+                compaction_interval: ms(Defaults::COMPACTION_INTERVAL_MS),
             },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
         })

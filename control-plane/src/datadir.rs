@@ -210,9 +210,14 @@ fn open_sled_once(path: &Path) -> Result<sled::Db, String> {
     let path = path.to_owned();
     // sled can panic instead of returning an error on some damaged files; either way the
     // directory is unusable and the operator gets the same message.
-    std::panic::catch_unwind(move || sled::Config::new().path(path).open())
-        .map_err(|_| "the sled database panicked while opening".to_owned())?
-        .map_err(|e| format!("the sled database does not open: {e}"))
+    std::panic::catch_unwind(move || {
+        sled::Config::new()
+            .path(path)
+            .cache_capacity(crate::config::Defaults::SLED_CACHE_BYTES)
+            .open()
+    })
+    .map_err(|_| "the sled database panicked while opening".to_owned())?
+    .map_err(|e| format!("the sled database does not open: {e}"))
 }
 
 #[cfg(test)]

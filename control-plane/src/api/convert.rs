@@ -150,6 +150,39 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
     }
 }
 
+/// An archived job as the API shows it: its outcome, with a last history entry that says the
+/// rest of the record (spec, full history, placement) was dropped by retention.
+pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
+    let change = |at_ms, state: state::JobState, reason: &str| pb::StateChange {
+        at_ms,
+        state: state.as_str().to_owned(),
+        reason: reason.to_owned(),
+    };
+    pb::Job {
+        id: job.id,
+        spec: Some(pb::JobSpec {
+            tenant: job.tenant().to_owned(),
+            name: job.name().to_owned(),
+            ..Default::default()
+        }),
+        idempotency_key: job.idempotency_key().unwrap_or_default().to_owned(),
+        state: job.state.as_str().to_owned(),
+        submitted_at_ms: job.submitted_at,
+        history: vec![
+            change(job.submitted_at, state::JobState::Pending, "submitted"),
+            change(job.ended_at, job.state, job.reason()),
+            change(
+                job.archived_at,
+                job.state,
+                "archived: only the outcome is kept; spec, history and placement were \
+                 dropped after the retention period",
+            ),
+        ],
+        allocations: Vec::new(),
+        version: 0,
+    }
+}
+
 pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
     pb::Node {
         name: node.spec.name.clone(),

@@ -166,12 +166,14 @@ impl ControlPlane for ControlPlaneService {
             request,
             |req| req.read,
             |req, cluster| {
+                if let Some(j) = cluster.job(req.id) {
+                    return Ok(convert::job_to_proto(j, cluster));
+                }
                 cluster
-                    .job(req.id)
-                    .map(|j| convert::job_to_proto(j, cluster))
-                    .ok_or_else(|| {
-                        Rejection::not_found(format!("job {} does not exist", req.id)).into()
-                    })
+                    .archived
+                    .get(&req.id)
+                    .map(convert::archived_job_to_proto)
+                    .ok_or_else(|| Rejection::not_found(cluster.missing_job(req.id)).into())
             },
             |ch, req| async move { ControlPlaneClient::new(ch).get_job(req).await },
         )
@@ -206,6 +208,23 @@ impl ControlPlane for ControlPlaneService {
                     })
                     .map(|j| convert::job_to_proto(j, cluster))
                     .collect();
+                let archived = cluster
+                    .archived
+                    .values()
+                    .filter(|a| {
+                        if states.is_empty() {
+                            req.include_finished
+                        } else {
+                            states.contains(&a.state)
+                        }
+                    })
+                    .filter(|a| req.tenant.is_empty() || a.tenant() == req.tenant)
+                    // The partition is not kept in the archive: a partition filter skips it.
+                    .filter(|_| req.partition.is_empty())
+                    .map(convert::archived_job_to_proto);
+                let mut jobs: Vec<pb::Job> = jobs;
+                jobs.extend(archived);
+                jobs.sort_by_key(|j| j.id);
                 Ok(pb::ListJobsResponse { jobs })
             },
             |ch, req| async move { ControlPlaneClient::new(ch).list_jobs(req).await },

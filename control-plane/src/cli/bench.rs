@@ -53,6 +53,28 @@ pub enum BenchCommand {
         #[arg(long, default_value = "empty,half,full", value_delimiter = ',')]
         fleets: Vec<String>,
     },
+    /// Memory of one replica's state machine with a large fleet and a long job history,
+    /// finished jobs compacted by the default retention (in child processes; no replicas).
+    Memory {
+        /// 8-GPU hosts.
+        #[arg(long, default_value_t = 10_000)]
+        hosts: usize,
+        /// Jobs submitted over the run (all but the last wave finish).
+        #[arg(long, default_value_t = 1_000_000)]
+        jobs: usize,
+        /// Also measure the same history without compaction.
+        #[arg(long)]
+        also_uncompacted: bool,
+        /// Internal: the measuring child's phase (build or load).
+        #[arg(long, hide = true)]
+        phase: Option<String>,
+        /// Internal: the child's data directory.
+        #[arg(long, hide = true)]
+        dir: Option<PathBuf>,
+        /// Internal: the child applies no `CompactJobs`.
+        #[arg(long, hide = true)]
+        no_compaction: bool,
+    },
 }
 
 pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
@@ -68,6 +90,29 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             jobs,
             runs: runs.max(1),
             fleets,
+        })?;
+        match fmt {
+            Format::Json => println!("{json}"),
+            Format::Table => print!("{text}"),
+        }
+        return Ok(());
+    }
+    if let BenchCommand::Memory {
+        hosts,
+        jobs,
+        also_uncompacted,
+        phase,
+        dir,
+        no_compaction,
+    } = command
+    {
+        let (text, json) = super::bench_memory::run(super::bench_memory::Args {
+            hosts,
+            jobs,
+            also_uncompacted,
+            phase,
+            dir,
+            compaction: !no_compaction,
         })?;
         match fmt {
             Format::Json => println!("{json}"),
@@ -94,7 +139,9 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             BenchCommand::Submit { clients, seconds } => {
                 submit(&cluster, &clients, Duration::from_secs(seconds)).await
             }
-            BenchCommand::Scheduler { .. } => unreachable!("runs in process, above"),
+            BenchCommand::Scheduler { .. } | BenchCommand::Memory { .. } => {
+                unreachable!("runs in process, above")
+            }
         }
     })?;
     match fmt {

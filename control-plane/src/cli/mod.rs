@@ -4,6 +4,7 @@
 //! `Client`, print the answer.
 
 mod bench;
+mod bench_memory;
 mod bench_scheduler;
 mod dev;
 mod node;

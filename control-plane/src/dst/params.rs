@@ -92,6 +92,10 @@ impl Params {
             // As `config.rs` derives it: two (longest) election timeouts.
             max_quorum_silence: Duration::from_millis(2 * self.election_ms.1),
             policy: Policy::default(),
+            retention: crate::config::Defaults::job_retention(),
+            compaction_interval: Duration::from_millis(
+                crate::config::Defaults::COMPACTION_INTERVAL_MS,
+            ),
         }
     }
 }

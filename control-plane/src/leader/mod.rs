@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 
 use crate::replica::{ApiError, Replica};
 use crate::scheduler;
-use crate::state::{Command, NodeStatus, Outcome};
+use crate::state::{Command, JobRetention, NodeStatus, Outcome};
 pub use liveness::Liveness;
 
 #[derive(Debug, Clone)]
@@ -42,6 +42,10 @@ pub struct LeaderConfig {
     pub max_quorum_silence: Duration,
     /// The scheduling policy's settings.
     pub policy: scheduler::Policy,
+    /// How long finished jobs are kept (proposed in each `CompactJobs`).
+    pub retention: JobRetention,
+    /// How often to check whether finished jobs are due for compaction.
+    pub compaction_interval: Duration,
 }
 
 /// Watches Raft metrics and runs the leader loops while this replica leads.
@@ -100,6 +104,7 @@ async fn leader_loops(
     let mut applied = replica.sm.watch_applied();
     let mut last_pass = Instant::now() - config.schedule_interval;
     let mut last_liveness_check = Instant::now();
+    let mut last_compaction = Instant::now();
     loop {
         tokio::select! {
             // Biased: tokio's fair select draws from a per-runtime random seed the simulation
@@ -137,7 +142,32 @@ async fn leader_loops(
         {
             return;
         }
+        if last_compaction.elapsed() >= config.compaction_interval {
+            last_compaction = Instant::now();
+            if let Err(ApiError::NotLeader { .. }) = compact_jobs(&replica, &config).await {
+                return;
+            }
+        }
     }
+}
+
+/// Proposes a `CompactJobs` with this leader's retention when finished jobs are due for it.
+async fn compact_jobs(replica: &Replica, config: &LeaderConfig) -> Result<(), ApiError> {
+    let due = replica
+        .sm
+        .read()
+        .cluster
+        .compaction_due(&config.retention, replica.now_ms());
+    if due {
+        let command = Command::CompactJobs {
+            retention: config.retention,
+        };
+        if let Err(e) = replica.write(command).await {
+            tracing::warn!(?e, "compacting finished jobs failed");
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// One scheduling pass. Returns whether a plan was proposed and entirely refused.

@@ -26,13 +26,14 @@ pub const AGED_LEVEL: u8 = 3;
 /// Whether a pending job's dependencies allow it to start now.
 pub fn dependencies_met(state: &ClusterState, job: &Job) -> bool {
     job.spec.dependencies.iter().all(|d| {
-        let Some(dep) = state.jobs.get(&d.job) else {
+        // Archived jobs answer too: a new job may depend on one that finished long ago.
+        let Some((dep, _)) = state.job_outcome(d.job) else {
             return false;
         };
         match d.kind {
-            DependencyKind::AfterOk => dep.state == JobState::Succeeded,
-            DependencyKind::AfterAny => dep.state.is_final(),
-            DependencyKind::AfterNotOk => dep.state.is_final() && dep.state != JobState::Succeeded,
+            DependencyKind::AfterOk => dep == JobState::Succeeded,
+            DependencyKind::AfterAny => dep.is_final(),
+            DependencyKind::AfterNotOk => dep.is_final() && dep != JobState::Succeeded,
         }
     })
 }
@@ -50,8 +51,8 @@ pub fn eligible_since(state: &ClusterState, job: &Job) -> Timestamp {
     job.spec
         .dependencies
         .iter()
-        .filter_map(|d| state.jobs.get(&d.job))
-        .filter_map(|dep| dep.history.last().map(|h| h.at))
+        .filter_map(|d| state.job_outcome(d.job))
+        .map(|(_, changed_at)| changed_at)
         .fold(queued, Timestamp::max)
 }
 

@@ -76,6 +76,7 @@ impl ClusterState {
                 }
                 Err(r) => Outcome::Rejected(r),
             },
+            Command::CompactJobs { retention } => self.compact_jobs(retention, at),
         };
         if !matches!(outcome, Outcome::Rejected(_)) {
             self.last_applied_at = self.last_applied_at.max(at);
@@ -152,10 +153,10 @@ impl ClusterState {
             self.check_some_node_fits(spec)?;
         }
         for dep in &spec.dependencies {
-            if !self.jobs.contains_key(&dep.job) {
+            if self.job_outcome(dep.job).is_none() {
                 return Err(Rejection::invalid(
                     "dependencies",
-                    format!("job {} does not exist", dep.job),
+                    self.missing_job(dep.job),
                 ));
             }
         }
@@ -228,9 +229,15 @@ impl ClusterState {
             if let Some(id) = self.job_for_key(&spec.tenant, key) {
                 // A retry must be the same request; a different one reusing the key is a bug in
                 // the client that we surface instead of silently returning an unrelated job.
-                return match self.jobs.get(&id) {
-                    Some(job) if job.spec == *spec => Outcome::JobSubmitted { id, created: false },
-                    _ => Outcome::Rejected(Rejection::precondition(format!(
+                // An archived job kept only its spec's fingerprint, which is enough to tell.
+                let same = match (self.jobs.get(&id), self.archived.get(&id)) {
+                    (Some(job), _) => job.spec == *spec,
+                    (None, Some(a)) => a.spec_fingerprint == super::spec_fingerprint(spec),
+                    (None, None) => false,
+                };
+                return match same {
+                    true => Outcome::JobSubmitted { id, created: false },
+                    false => Outcome::Rejected(Rejection::precondition(format!(
                         "idempotency key {key:?} was already used for job {id} with a different spec"
                     ))),
                 };
@@ -285,7 +292,13 @@ impl ClusterState {
         changed: &mut Vec<JobId>,
     ) -> Outcome {
         let Some(job) = self.jobs.get(&id) else {
-            return Outcome::Rejected(Rejection::not_found(format!("job {id} does not exist")));
+            if let Some(a) = self.archived.get(&id) {
+                return Outcome::Rejected(Rejection::precondition(format!(
+                    "job {id} already ended ({}) and is archived",
+                    a.state
+                )));
+            }
+            return Outcome::Rejected(Rejection::not_found(self.missing_job(id)));
         };
         if job.state.is_final() {
             return Outcome::Rejected(Rejection::precondition(format!(
@@ -947,6 +960,7 @@ impl ClusterState {
             }
         }
         if state.is_final() && !was.is_final() {
+            self.index.finished.insert((at, id));
             let mut failed = Vec::new();
             self.fail_unsatisfiable_dependents(id, at, index, &mut failed);
             self.cascaded.extend(failed);
@@ -958,10 +972,11 @@ impl ClusterState {
     fn unsatisfiable_dependency(&self, id: JobId) -> Option<String> {
         let job = self.jobs.get(&id)?;
         job.spec.dependencies.iter().find_map(|d| {
-            let dep = self.jobs.get(&d.job)?;
+            // An archived dependency still answers with its final state.
+            let (dep_state, _) = self.job_outcome(d.job)?;
             let never = match d.kind {
-                DependencyKind::AfterOk => dep.state.is_final() && dep.state != JobState::Succeeded,
-                DependencyKind::AfterNotOk => dep.state == JobState::Succeeded,
+                DependencyKind::AfterOk => dep_state.is_final() && dep_state != JobState::Succeeded,
+                DependencyKind::AfterNotOk => dep_state == JobState::Succeeded,
                 DependencyKind::AfterAny => false,
             };
             never.then(|| {
@@ -972,7 +987,7 @@ impl ClusterState {
                 };
                 format!(
                     "dependency can never be satisfied: {kind}:{} but job {} {}",
-                    d.job, d.job, dep.state
+                    d.job, d.job, dep_state
                 )
             })
         })

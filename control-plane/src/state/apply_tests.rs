@@ -1422,3 +1422,6 @@ fn undrain_does_not_revive_a_node_that_is_down() {
     });
     assert_eq!(h.state.nodes["n1"].status, NodeStatus::Down);
 }
+
+/// Compaction of finished jobs (`retention.rs`), with the fixtures above.
+mod retention_tests;

@@ -6,7 +6,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::types::{
-    AllocationId, GpuHealth, JobId, JobSpec, NodeSpec, NodeStatus, Partition, Tenant, Timestamp,
+    AllocationId, GpuHealth, JobId, JobRetention, JobSpec, NodeSpec, NodeStatus, Partition, Tenant,
+    Timestamp,
 };
 
 /// The Raft entry payload.
@@ -111,6 +112,11 @@ pub enum Command {
         victims: Vec<JobId>,
         reason: String,
     },
+    /// Archive finished jobs whose full record is past `retention` and forget archived ones
+    /// past theirs, as of the entry's leader time. Proposed periodically by the leader.
+    CompactJobs {
+        retention: JobRetention,
+    },
 }
 
 impl Command {
@@ -143,6 +149,7 @@ impl Command {
             Command::SetGpuHealth { .. } => "set_gpu_health",
             Command::PutPartition { .. } => "put_partition",
             Command::Preempt { .. } => "preempt",
+            Command::CompactJobs { .. } => "compact_jobs",
         }
     }
 }
@@ -192,6 +199,14 @@ impl fmt::Display for Command {
             Command::Preempt {
                 for_job, victims, ..
             } => write!(f, "preempt for job={for_job} victims={victims:?}"),
+            Command::CompactJobs { retention } => write!(
+                f,
+                "compact jobs full_record_ms={} max_full_records={} archive_ms={} max_archived={}",
+                retention.full_record_ms,
+                retention.max_full_records,
+                retention.archive_ms,
+                retention.max_archived
+            ),
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod command;
 pub mod free;
 #[cfg(test)]
 mod proptests;
+mod retention;
 pub mod types;
 pub mod validate;
 
@@ -21,6 +22,7 @@ pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use command::{
     Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
 };
+pub use retention::spec_fingerprint;
 pub use types::*;
 
 /// Extra per-allocation bookkeeping that only the state machine needs.
@@ -57,6 +59,11 @@ pub struct ClusterState {
     /// Tenant → decayed GPU-seconds of finished allocations (fair share).
     #[serde(default)]
     pub tenant_usage: BTreeMap<String, DecayedUsage>,
+    /// Finished jobs whose full record was dropped after its retention (`CompactJobs`), by id.
+    /// A job is in `jobs` or here, never both; past the archive's own retention it is in
+    /// neither (its id is still at most `last_job_id`, so "never existed" stays answerable).
+    #[serde(default)]
+    pub archived: BTreeMap<JobId, ArchivedJob>,
     /// Derived indexes, rebuilt from the data above after a snapshot is loaded
     /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
     #[serde(skip)]
@@ -92,6 +99,11 @@ pub struct Indexes {
     /// Tenant → (milli-GPU of its live allocations, Σ milli × created_at): what running work
     /// has used so far is `now × first − second`, without visiting every allocation.
     pub tenant_running: BTreeMap<String, (u64, u128)>,
+    /// Finished jobs that still have their full record, by (end time, id): compaction takes
+    /// the oldest from the front instead of scanning every job.
+    pub finished: BTreeSet<(Timestamp, JobId)>,
+    /// Archived jobs by (end time, id), oldest first, for the same reason.
+    pub archived_by_end: BTreeSet<(Timestamp, JobId)>,
 }
 
 /// Fingerprint of what a node's hardware offers the scheduler (not its health or usage).
@@ -210,6 +222,11 @@ impl ClusterState {
 
     /// Recomputes every derived index from the data: after loading a snapshot.
     pub fn rebuild_indexes(&mut self) {
+        self.index = self.derive_indexes();
+    }
+
+    /// Every derived index, computed from the data alone (not from `self.index`).
+    fn derive_indexes(&self) -> Indexes {
         let mut index = Indexes::default();
         for node in self.nodes.values() {
             let class = hardware_class(&node.spec);
@@ -227,15 +244,40 @@ impl ClusterState {
                     index.dependents.entry(dep.job).or_default().insert(job.id);
                 }
             }
+            if job.state.is_final() {
+                index.finished.insert((job.last_change_at(), job.id));
+            }
+        }
+        for a in self.archived.values() {
+            index.archived_by_end.insert((a.ended_at, a.id));
         }
         for rec in self.allocations.values() {
             index_allocation(&mut index, &self.jobs, &rec.allocation, true);
         }
-        self.index = index;
-        let names: Vec<String> = self.nodes.keys().cloned().collect();
-        for name in names {
-            self.refresh_node_free(&name);
+        for (name, node) in &self.nodes {
+            let free = self.node_free_of(node, index.node_allocations.get(name));
+            index.node_free.insert(name.clone(), free);
         }
+        index
+    }
+
+    /// A node's free resources given the ids of its live allocations.
+    fn node_free_of(
+        &self,
+        node: &Node,
+        allocations: Option<&BTreeSet<AllocationId>>,
+    ) -> free::NodeFree {
+        let mut free = free::NodeFree::capacity(node);
+        for rec in allocations
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.allocations.get(id))
+        {
+            if let Some(job) = self.jobs.get(&rec.allocation.job) {
+                free.remove_allocation(node, job, rec);
+            }
+        }
+        free
     }
 
     /// Recomputes one node's free resources from its capacity, health and live allocations.
@@ -244,12 +286,7 @@ impl ClusterState {
             self.index.node_free.remove(name);
             return;
         };
-        let mut free = free::NodeFree::capacity(node);
-        for rec in self.allocations_on(name) {
-            if let Some(job) = self.jobs.get(&rec.allocation.job) {
-                free.remove_allocation(node, job, rec);
-            }
-        }
+        let free = self.node_free_of(node, self.index.node_allocations.get(name));
         self.index.node_free.insert(name.to_owned(), free);
     }
 
@@ -292,9 +329,9 @@ impl ClusterState {
         if derived_holder != self.gpu_holder {
             return Err("gpu_holder index differs from allocations".into());
         }
-        let mut rebuilt = self.clone();
-        rebuilt.rebuild_indexes();
-        if rebuilt.index != self.index {
+        // Derived without cloning the state: at a million job records a clone doubles the
+        // replica's memory while a snapshot loads.
+        if self.derive_indexes() != self.index {
             return Err("derived indexes differ from the data they index".into());
         }
         for (gpu, shares) in &self.index.gpu_shares {
@@ -318,7 +355,7 @@ impl ClusterState {
                 return Err(format!("pending job {} holds allocations", job.id));
             }
         }
-        Ok(())
+        self.check_archive()
     }
 }
 

@@ -151,6 +151,8 @@ enum Op {
         variant: u8,
         gpu: usize,
     },
+    /// `CompactJobs` with one of a few short retentions (see `retention_variant`).
+    Compact(u8),
 }
 
 /// One generated step: the operation and how far the leader clock moved (it may move back, as
@@ -213,7 +215,20 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (pick(), 0u8..7).prop_map(|(p, o)| Op::Exited(p, o)),
         1 => (0usize..4, 0u8..6, 0usize..8)
             .prop_map(|(node, variant, gpu)| Op::Register { node, variant, gpu }),
+        1 => (0u8..81).prop_map(Op::Compact),
     ]
+}
+
+/// Retentions short enough for a generated sequence (steps move the clock up to 2 s): each of
+/// the four settings takes one of three values, chosen by `variant`'s base-3 digits.
+fn retention_variant(variant: u8) -> JobRetention {
+    let digit = |i: u32| usize::from(variant / 3u8.pow(i) % 3);
+    JobRetention {
+        full_record_ms: [0, 3_000, 20_000][digit(0)],
+        max_full_records: [0, 2, 1_000][digit(1)],
+        archive_ms: [0, 8_000, 60_000][digit(2)],
+        max_archived: [1, 4, 1_000][digit(3)],
+    }
 }
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
@@ -358,6 +373,9 @@ impl Driver {
             },
             Op::Register { node, variant, gpu } => Command::RegisterNode {
                 spec: node_variant(*node, *variant, *gpu),
+            },
+            Op::Compact(variant) => Command::CompactJobs {
+                retention: retention_variant(*variant),
             },
         }
     }
@@ -718,28 +736,60 @@ proptest! {
         })?;
     }
 
-    /// (b) Every acknowledged job stays in the state, and ids run 1..=last_job_id without gaps.
+    /// (b) Every acknowledged job stays in the state until it has finished and a `CompactJobs`
+    /// archives it (then until one forgets it), and ids never repeat.
     #[test]
     fn no_acknowledged_job_is_ever_lost(steps in steps()) {
         let mut acknowledged: Vec<JobId> = Vec::new();
+        let mut forgotten: BTreeSet<JobId> = BTreeSet::new();
         execute(&steps, |e| {
+            let compaction = matches!(e.command, Command::CompactJobs { .. });
             if let Outcome::JobSubmitted { id, created } = e.applied.outcome {
                 if created {
                     prop_assert_eq!(id, e.before.last_job_id + 1, "ids come from the log");
                     prop_assert_eq!(e.after.jobs[&id].version, e.index);
                     acknowledged.push(id);
                 } else {
-                    prop_assert!(e.before.jobs.contains_key(&id), "a retry names an existing job");
+                    prop_assert!(
+                        e.before.jobs.contains_key(&id) || e.before.archived.contains_key(&id),
+                        "a retry names an existing job"
+                    );
                 }
             }
             for id in &acknowledged {
-                prop_assert!(e.after.jobs.contains_key(id), "job {} lost by {}", id, e.command);
+                if e.after.jobs.contains_key(id) {
+                    continue;
+                }
+                if let Some(a) = e.after.archived.get(id) {
+                    if let Some(job) = e.before.jobs.get(id) {
+                        prop_assert!(compaction, "job {} archived by {}", id, e.command);
+                        prop_assert!(job.state.is_final() && job.allocations.is_empty());
+                        prop_assert_eq!(a.state, job.state);
+                        prop_assert_eq!(a.spec_fingerprint, spec_fingerprint(&job.spec));
+                    }
+                    continue;
+                }
+                prop_assert!(
+                    forgotten.contains(id) || compaction,
+                    "job {} lost by {}", id, e.command
+                );
+                if let Some(job) = e.before.jobs.get(id) {
+                    prop_assert!(job.state.is_final(), "unfinished job {} forgotten", id);
+                }
+                forgotten.insert(*id);
             }
+            let kept: BTreeSet<JobId> =
+                e.after.jobs.keys().chain(e.after.archived.keys()).copied().collect();
+            prop_assert_eq!(
+                kept.len(),
+                e.after.jobs.len() + e.after.archived.len(),
+                "a job is both whole and archived"
+            );
             prop_assert!(
-                e.after.jobs.keys().copied().eq(1..=e.after.last_job_id),
-                "job ids {:?} are not 1..={}",
-                e.after.jobs.keys().collect::<Vec<_>>(),
-                e.after.last_job_id
+                kept.iter().copied().chain(forgotten.iter().copied()).collect::<BTreeSet<_>>()
+                    .into_iter().eq(1..=e.after.last_job_id),
+                "job ids {:?} (forgotten {:?}) are not 1..={}",
+                kept, forgotten, e.after.last_job_id
             );
             for (id, job) in &e.after.jobs {
                 prop_assert_eq!(*id, job.id);
@@ -754,15 +804,17 @@ proptest! {
     fn an_idempotency_key_names_at_most_one_job(steps in steps()) {
         execute(&steps, |e| {
             let mut keyed: BTreeMap<(&str, &str), JobId> = BTreeMap::new();
-            for job in e.after.jobs.values() {
-                if let Some(key) = &job.idempotency_key {
-                    let previous = keyed.insert((job.spec.tenant.as_str(), key.as_str()), job.id);
+            let whole = e.after.jobs.values().map(|j| (j.id, j.spec.tenant.as_str(), j.idempotency_key.as_deref()));
+            let archived = e.after.archived.values().map(|a| (a.id, a.tenant(), a.idempotency_key()));
+            for (id, tenant, key) in whole.chain(archived) {
+                if let Some(key) = key {
+                    let previous = keyed.insert((tenant, key), id);
                     prop_assert!(
                         previous.is_none(),
                         "tenant {} key {} names jobs {:?} and {}",
-                        job.spec.tenant, key, previous, job.id
+                        tenant, key, previous, id
                     );
-                    prop_assert_eq!(e.after.job_for_key(&job.spec.tenant, key), Some(job.id));
+                    prop_assert_eq!(e.after.job_for_key(tenant, key), Some(id));
                 }
             }
             let indexed: usize = e.after.idempotency.values().map(BTreeMap::len).sum();
@@ -771,15 +823,23 @@ proptest! {
             if let Command::SubmitJob { spec, idempotency_key: Some(key) } = e.command
                 && let Some(existing) = e.before.job_for_key(&spec.tenant, key)
             {
+                let fingerprint = match (e.before.jobs.get(&existing), e.before.archived.get(&existing)) {
+                    (Some(job), _) => spec_fingerprint(&job.spec),
+                    (None, Some(a)) => a.spec_fingerprint,
+                    (None, None) => unreachable!("check_consistency: a key names a kept job"),
+                };
                 match &e.applied.outcome {
                     Outcome::JobSubmitted { id, created } => {
                         prop_assert_eq!(*id, existing);
                         prop_assert!(!*created);
-                        prop_assert_eq!(&e.before.jobs[&existing].spec, spec);
+                        prop_assert_eq!(fingerprint, spec_fingerprint(spec));
+                        if let Some(job) = e.before.jobs.get(&existing) {
+                            prop_assert_eq!(&job.spec, spec);
+                        }
                     }
                     Outcome::Rejected(r) => {
                         prop_assert_eq!(r.kind, RejectKind::FailedPrecondition);
-                        prop_assert_ne!(&e.before.jobs[&existing].spec, spec);
+                        prop_assert_ne!(fingerprint, spec_fingerprint(spec));
                     }
                     other => prop_assert!(false, "unexpected outcome {:?}", other),
                 }
@@ -900,8 +960,11 @@ fn random_sequences_reach_the_interesting_outcomes() {
                             seen.insert("plan onto held GPU refused");
                         }
                     }
-                    (_, Outcome::JobSubmitted { created: false, .. }) => {
+                    (_, Outcome::JobSubmitted { id, created: false }) => {
                         seen.insert("retry");
+                        if e.before.archived.contains_key(id) {
+                            seen.insert("retry of an archived job");
+                        }
                     }
                     (Command::SubmitJob { .. }, Outcome::Rejected(r))
                         if r.kind == RejectKind::FailedPrecondition =>
@@ -912,6 +975,16 @@ fn random_sequences_reach_the_interesting_outcomes() {
                         seen.insert("registration refused");
                     }
                     _ => {}
+                }
+                if e.after.archived.len() > e.before.archived.len() {
+                    seen.insert("archived");
+                }
+                if e.before
+                    .archived
+                    .keys()
+                    .any(|id| !e.after.archived.contains_key(id))
+                {
+                    seen.insert("forgotten");
                 }
                 for (id, job) in &e.after.jobs {
                     let was = e.before.jobs.get(id).map(|j| j.state);
@@ -952,6 +1025,9 @@ fn random_sequences_reach_the_interesting_outcomes() {
         "cancelled",
         "cancelled while holding GPUs",
         "timed out",
+        "archived",
+        "forgotten",
+        "retry of an archived job",
     ] {
         assert!(
             seen.contains(expected),

@@ -270,6 +270,13 @@ pub struct Job {
     pub ending: Option<Ending>,
 }
 
+impl Job {
+    /// Leader time of the job's last state change (for a finished job: when it ended).
+    pub fn last_change_at(&self) -> Timestamp {
+        self.history.last().map_or(self.submitted_at, |h| h.at)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ending {
     pub state: JobState,
@@ -353,4 +360,149 @@ pub struct GpuShares {
 pub struct Partition {
     pub name: String,
     pub description: String,
+}
+
+/// What is left of a finished job once its full record has been archived (see
+/// `retention.rs`): enough to answer `get`, a retry with its idempotency key, and a dependency
+/// on it, but not its spec, history or placement.
+///
+/// A million of these may be kept, so the record is packed: its four strings share one
+/// allocation, and a snapshot writes it as a JSON array (`ArchivedJobFields`), not an object
+/// that repeats every field name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "ArchivedJobFields", into = "ArchivedJobFields")]
+pub struct ArchivedJob {
+    pub id: JobId,
+    /// Tenant, name, idempotency key and reason, one after the other (lengths in `lens`).
+    texts: Box<str>,
+    /// Lengths of tenant, name and key in `texts` (the reason is the rest).
+    lens: [u32; 3],
+    has_key: bool,
+    /// `spec_fingerprint` of its spec: a retry with the same key must carry the same spec.
+    pub spec_fingerprint: u64,
+    /// The final state (succeeded, failed, cancelled, timed out).
+    pub state: JobState,
+    pub submitted_at: Timestamp,
+    pub ended_at: Timestamp,
+    pub archived_at: Timestamp,
+}
+
+/// `ArchivedJob` as stored in snapshots: (id, tenant, name, idempotency key, spec
+/// fingerprint, state, reason, submitted at, ended at, archived at).
+#[derive(Serialize, Deserialize)]
+pub struct ArchivedJobFields(
+    JobId,
+    String,
+    String,
+    Option<String>,
+    u64,
+    JobState,
+    String,
+    Timestamp,
+    Timestamp,
+    Timestamp,
+);
+
+impl ArchivedJob {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: JobId,
+        tenant: &str,
+        name: &str,
+        idempotency_key: Option<&str>,
+        spec_fingerprint: u64,
+        state: JobState,
+        reason: &str,
+        (submitted_at, ended_at, archived_at): (Timestamp, Timestamp, Timestamp),
+    ) -> ArchivedJob {
+        let key = idempotency_key.unwrap_or("");
+        let len = |s: &str| u32::try_from(s.len()).expect("a job string under 4 GiB");
+        ArchivedJob {
+            id,
+            texts: [tenant, name, key, reason].concat().into_boxed_str(),
+            lens: [len(tenant), len(name), len(key)],
+            has_key: idempotency_key.is_some(),
+            spec_fingerprint,
+            state,
+            submitted_at,
+            ended_at,
+            archived_at,
+        }
+    }
+
+    /// The i-th of tenant, name, key, reason.
+    fn text(&self, i: usize) -> &str {
+        let start: usize = self.lens[..i].iter().map(|l| *l as usize).sum();
+        let end = match self.lens.get(i) {
+            Some(l) => start + *l as usize,
+            None => self.texts.len(),
+        };
+        &self.texts[start..end]
+    }
+
+    pub fn tenant(&self) -> &str {
+        self.text(0)
+    }
+
+    pub fn name(&self) -> &str {
+        self.text(1)
+    }
+
+    pub fn idempotency_key(&self) -> Option<&str> {
+        self.has_key.then(|| self.text(2))
+    }
+
+    /// Why it ended (exit code, signal, who cancelled), as its last history entry said.
+    pub fn reason(&self) -> &str {
+        self.text(3)
+    }
+}
+
+impl From<ArchivedJobFields> for ArchivedJob {
+    fn from(f: ArchivedJobFields) -> Self {
+        let ArchivedJobFields(id, tenant, name, key, fingerprint, state, reason, s, e, a) = f;
+        ArchivedJob::new(
+            id,
+            &tenant,
+            &name,
+            key.as_deref(),
+            fingerprint,
+            state,
+            &reason,
+            (s, e, a),
+        )
+    }
+}
+
+impl From<ArchivedJob> for ArchivedJobFields {
+    fn from(a: ArchivedJob) -> Self {
+        ArchivedJobFields(
+            a.id,
+            a.tenant().to_owned(),
+            a.name().to_owned(),
+            a.idempotency_key().map(str::to_owned),
+            a.spec_fingerprint,
+            a.state,
+            a.reason().to_owned(),
+            a.submitted_at,
+            a.ended_at,
+            a.archived_at,
+        )
+    }
+}
+
+/// How long finished jobs are kept: first whole, then as an `ArchivedJob`, then not at all.
+/// Carried by each `CompactJobs` command (the leader's configuration), so every replica
+/// compacts alike whatever its own configuration says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRetention {
+    /// A finished job keeps its full record at least this long after it ended...
+    pub full_record_ms: u64,
+    /// ...unless more than this many finished jobs have full records: then the oldest are
+    /// archived early.
+    pub max_full_records: u64,
+    /// An archived job (and its idempotency key) is kept this long after the job ended...
+    pub archive_ms: u64,
+    /// ...unless more than this many jobs are archived: then the oldest are forgotten early.
+    pub max_archived: u64,
 }

@@ -4,6 +4,9 @@
 //! `Client`, print the answer.
 
 mod bench;
+mod bench_failover;
+mod bench_hosts;
+mod bench_placement;
 mod bench_scheduler;
 mod dev;
 mod node;

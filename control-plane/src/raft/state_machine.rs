@@ -7,7 +7,7 @@
 
 use std::io::Cursor;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
@@ -20,7 +20,13 @@ use tokio::sync::{broadcast, watch};
 use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
 use crate::state::{ClusterState, Job, Outcome};
 
-const SNAPSHOT_KEY: &str = "current";
+/// The snapshot as one JSON document, its state bytes inside as a JSON array of numbers (about
+/// four bytes of text per byte): how replicas stored it before `SNAPSHOT_META_KEY`. Still read.
+const LEGACY_SNAPSHOT_KEY: &str = "current";
+/// The snapshot's metadata (JSON) and its state (the JSON bytes as they are), written together
+/// in one atomic sled batch.
+const SNAPSHOT_META_KEY: &str = "current-meta";
+const SNAPSHOT_DATA_KEY: &str = "current-data";
 /// How many job changes a slow watcher may fall behind before it is told to re-list.
 const EVENT_BUFFER: usize = 16 * 1024;
 
@@ -54,30 +60,66 @@ pub enum SnapshotStore {
 }
 
 impl SnapshotStore {
-    fn get(&self) -> Result<Option<Vec<u8>>, String> {
+    fn get(&self) -> Result<Option<StoredSnapshot>, String> {
         match self {
-            SnapshotStore::Sled(tree) => tree
-                .get(SNAPSHOT_KEY)
-                .map(|v| v.map(|b| b.to_vec()))
-                .map_err(|e| e.to_string()),
-            SnapshotStore::Memory(slot) => Ok(slot.lock().expect("snapshot slot poisoned").clone()),
+            SnapshotStore::Sled(tree) => {
+                let meta = tree.get(SNAPSHOT_META_KEY).map_err(|e| e.to_string())?;
+                if let Some(meta) = meta {
+                    let data = tree
+                        .get(SNAPSHOT_DATA_KEY)
+                        .map_err(|e| e.to_string())?
+                        .ok_or("the snapshot's metadata is stored without its data")?;
+                    let meta = serde_json::from_slice(&meta)
+                        .map_err(|e| format!("the snapshot's metadata does not decode: {e}"))?;
+                    return Ok(Some(StoredSnapshot {
+                        meta,
+                        data: data.to_vec(),
+                    }));
+                }
+                match tree.get(LEGACY_SNAPSHOT_KEY).map_err(|e| e.to_string())? {
+                    Some(bytes) => decode_stored(&bytes).map(Some),
+                    None => Ok(None),
+                }
+            }
+            SnapshotStore::Memory(slot) => {
+                match slot.lock().expect("snapshot slot poisoned").as_deref() {
+                    Some(bytes) => decode_stored(bytes).map(Some),
+                    None => Ok(None),
+                }
+            }
         }
     }
 
-    fn put(&self, bytes: Vec<u8>) -> Result<(), String> {
+    fn put(&self, stored: &StoredSnapshot) -> Result<(), String> {
         match self {
             SnapshotStore::Sled(tree) => {
-                tree.insert(SNAPSHOT_KEY, bytes)
-                    .map_err(|e| e.to_string())?;
+                let meta = serde_json::to_vec(&stored.meta).map_err(|e| e.to_string())?;
+                let mut batch = sled::Batch::default();
+                batch.insert(SNAPSHOT_META_KEY, meta);
+                batch.insert(SNAPSHOT_DATA_KEY, stored.data.as_slice());
+                batch.remove(LEGACY_SNAPSHOT_KEY);
+                tree.apply_batch(batch).map_err(|e| e.to_string())?;
                 tree.flush().map_err(|e| e.to_string())?;
                 Ok(())
             }
             SnapshotStore::Memory(slot) => {
+                let bytes = serde_json::to_vec(stored).map_err(|e| e.to_string())?;
                 *slot.lock().expect("snapshot slot poisoned") = Some(bytes);
                 Ok(())
             }
         }
     }
+
+    /// Whether encoding and writing a snapshot may leave the async runtime for a blocking
+    /// thread: on disk, yes; in the deterministic simulation, no (another thread would make its
+    /// runs unrepeatable, and its in-memory slot is cheap).
+    fn offload(&self) -> bool {
+        matches!(self, SnapshotStore::Sled(_))
+    }
+}
+
+fn decode_stored(bytes: &[u8]) -> Result<StoredSnapshot, String> {
+    serde_json::from_slice(bytes).map_err(|e| format!("the stored snapshot does not decode: {e}"))
 }
 
 struct Shared {
@@ -108,12 +150,10 @@ impl StateMachineStore {
     /// Opens the state machine over any snapshot store, loading its snapshot if there is one.
     pub fn open_with(snapshots: SnapshotStore) -> Result<StateMachineStore, String> {
         let mut data = StateMachineData::default();
-        if let Some(bytes) = snapshots
+        if let Some(stored) = snapshots
             .get()
             .map_err(|e| format!("reading the snapshot: {e}"))?
         {
-            let stored: StoredSnapshot = serde_json::from_slice(&bytes)
-                .map_err(|e| format!("the stored snapshot does not decode: {e}"))?;
             data = serde_json::from_slice(&stored.data)
                 .map_err(|e| format!("the stored snapshot's state does not decode: {e}"))?;
             data.cluster.rebuild_indexes();
@@ -143,6 +183,23 @@ impl StateMachineStore {
             .expect("state machine lock poisoned")
     }
 
+    /// The write lock, taken without parking a runtime thread inside the lock. While a writer
+    /// waits in it, std's `RwLock` makes every new reader wait too: behind one long reader (a
+    /// scheduling pass on a large cluster) the apply task, then every API handler that reads
+    /// the state, would park all of the runtime's threads, and the replica would stop sending
+    /// Raft heartbeats until the pass ended. Retrying on the runtime's timer keeps readers
+    /// flowing; the apply waits for the pass either way.
+    async fn write_lock(&self) -> RwLockWriteGuard<'_, StateMachineData> {
+        loop {
+            match self.shared.data.try_write() {
+                Ok(guard) => return guard,
+                Err(TryLockError::Poisoned(_)) => panic!("state machine lock poisoned"),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
         self.shared.events.subscribe()
     }
@@ -153,43 +210,56 @@ impl StateMachineStore {
     }
 
     fn write_snapshot(&self, stored: &StoredSnapshot) -> Result<(), StorageError> {
-        let bytes = serde_json::to_vec(stored)
-            .map_err(|e| StorageIOError::write_snapshot(Some(stored.meta.signature()), &e))?;
-        self.shared.snapshots.put(bytes).map_err(|e| {
+        self.shared.snapshots.put(stored).map_err(|e| {
             StorageIOError::write_snapshot(Some(stored.meta.signature()), &std::io::Error::other(e))
-        })?;
-        Ok(())
+                .into()
+        })
     }
+}
+
+/// Encodes a copy of the state and writes it as the current snapshot.
+fn encode_and_store(
+    store: &StateMachineStore,
+    data: &StateMachineData,
+    seq: u64,
+) -> Result<StoredSnapshot, StorageError> {
+    let bytes = serde_json::to_vec(data).map_err(|e| StorageIOError::read_state_machine(&e))?;
+    let snapshot_id = match data.last_applied {
+        Some(l) => format!("{}-{}-{seq}", l.leader_id, l.index),
+        None => format!("--{seq}"),
+    };
+    let stored = StoredSnapshot {
+        meta: SnapshotMeta {
+            last_log_id: data.last_applied,
+            last_membership: data.last_membership.clone(),
+            snapshot_id,
+        },
+        data: bytes,
+    };
+    store.write_snapshot(&stored)?;
+    Ok(stored)
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     #[tracing::instrument(level = "info", skip_all, name = "raft.build_snapshot")]
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        // Serialize under the read lock: applies wait, readers do not.
-        let (bytes, last_applied, last_membership) = {
-            let data = self.read();
-            let bytes =
-                serde_json::to_vec(&*data).map_err(|e| StorageIOError::read_state_machine(&e))?;
-            (bytes, data.last_applied, data.last_membership.clone())
-        };
+        // Copy under the read lock, encode and write outside it: an apply waits only for the
+        // copy. Encoding a large state takes seconds on a loaded host; holding the lock that
+        // long blocked the apply task's thread too, and with both runtime threads stuck the
+        // replica missed heartbeats and triggered elections.
+        let data = self.read().clone();
         let seq = self.shared.snapshot_seq.fetch_add(1, Ordering::Relaxed);
-        let snapshot_id = match last_applied {
-            Some(l) => format!("{}-{}-{seq}", l.leader_id, l.index),
-            None => format!("--{seq}"),
+        let stored = if self.shared.snapshots.offload() {
+            let store = self.clone();
+            tokio::task::spawn_blocking(move || encode_and_store(&store, &data, seq))
+                .await
+                .map_err(|e| StorageIOError::read_state_machine(&std::io::Error::other(e)))??
+        } else {
+            encode_and_store(self, &data, seq)?
         };
-        let meta = SnapshotMeta {
-            last_log_id: last_applied,
-            last_membership,
-            snapshot_id,
-        };
-        let stored = StoredSnapshot {
-            meta: meta.clone(),
-            data: bytes,
-        };
-        self.write_snapshot(&stored)?;
-        tracing::info!(bytes = stored.data.len(), index = ?last_applied.map(|l| l.index), "snapshot built");
+        tracing::info!(bytes = stored.data.len(), index = ?stored.meta.last_log_id.map(|l| l.index), "snapshot built");
         Ok(Snapshot {
-            meta,
+            meta: stored.meta,
             snapshot: Box::new(Cursor::new(stored.data)),
         })
     }
@@ -214,11 +284,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut events = Vec::new();
         let mut replies_last_index = None;
         {
-            let mut data = self
-                .shared
-                .data
-                .write()
-                .expect("state machine lock poisoned");
+            let mut data = self.write_lock().await;
             for entry in entries {
                 data.last_applied = Some(entry.log_id);
                 let index = entry.log_id.index;
@@ -313,7 +379,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let Some(bytes) = self
+        let Some(stored) = self
             .shared
             .snapshots
             .get()
@@ -321,8 +387,6 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         else {
             return Ok(None);
         };
-        let stored: StoredSnapshot =
-            serde_json::from_slice(&bytes).map_err(|e| StorageIOError::read_snapshot(None, &e))?;
         Ok(Some(Snapshot {
             meta: stored.meta,
             snapshot: Box::new(Cursor::new(stored.data)),

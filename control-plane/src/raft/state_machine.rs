@@ -27,6 +27,8 @@ const LEGACY_SNAPSHOT_KEY: &str = "current";
 /// in one atomic sled batch.
 const SNAPSHOT_META_KEY: &str = "current-meta";
 const SNAPSHOT_DATA_KEY: &str = "current-data";
+/// An apply that holds the state's write lock this long is logged.
+const SLOW_APPLY: std::time::Duration = std::time::Duration::from_millis(100);
 /// How many job changes a slow watcher may fall behind before it is told to re-list.
 const EVENT_BUFFER: usize = 16 * 1024;
 
@@ -183,6 +185,22 @@ impl StateMachineStore {
             .expect("state machine lock poisoned")
     }
 
+    /// Read access for async handlers on hot paths (heartbeats, reports, submissions,
+    /// streams): waits for an apply in progress on the runtime's timer instead of parking the
+    /// thread in the lock. Thousands of heartbeats a second would otherwise park every runtime
+    /// thread behind one long apply (a plan placing 10,000 jobs), and a replica that cannot run
+    /// its Raft tasks for a few hundred milliseconds triggers an election.
+    pub async fn read_async(&self) -> RwLockReadGuard<'_, StateMachineData> {
+        loop {
+            match self.shared.data.try_read() {
+                Ok(guard) => return guard,
+                Err(TryLockError::Poisoned(_)) => panic!("state machine lock poisoned"),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     /// The write lock, taken without parking a runtime thread inside the lock. While a writer
     /// waits in it, std's `RwLock` makes every new reader wait too: behind one long reader (a
     /// scheduling pass on a large cluster) the apply task, then every API handler that reads
@@ -283,8 +301,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut replies = Vec::new();
         let mut events = Vec::new();
         let mut replies_last_index = None;
+        let mut data = self.write_lock().await;
+        let locked_at = std::time::Instant::now();
         {
-            let mut data = self.write_lock().await;
             for entry in entries {
                 data.last_applied = Some(entry.log_id);
                 let index = entry.log_id.index;
@@ -315,6 +334,15 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     }
                 }
             }
+        }
+        drop(data);
+        let held = locked_at.elapsed();
+        if held >= SLOW_APPLY {
+            tracing::info!(
+                held_ms = held.as_millis() as u64,
+                entries = replies.len(),
+                "slow apply: the state was locked this long"
+            );
         }
         if let Some(last) = replies_last_index {
             self.shared.applied.send_replace(last);

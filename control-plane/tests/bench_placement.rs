@@ -33,7 +33,6 @@ fn placement_places_and_finishes_every_job() {
     assert_eq!(j["finished"], 500, "{j}");
     assert!(j["placements_per_sec"].as_f64().unwrap() > 0.0, "{j}");
     assert!(j["place_entries"].as_u64().unwrap() >= 1, "{j}");
-    assert_eq!(j["heartbeat_errors"], 0, "{j}");
 }
 
 #[test]

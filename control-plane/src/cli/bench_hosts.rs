@@ -332,15 +332,20 @@ async fn heartbeat_loop(
             .map(|k| (next + k) % hosts.len())
             .collect();
         next = (next + per_tick) % hosts.len().max(1);
-        // Owned futures: borrowed ones would tie this task's lifetime in knots.
-        let beats = slice.into_iter().map(|i| {
-            let (api, hosts, counters) = (api.clone(), hosts.clone(), counters.clone());
-            async move { heartbeat(&api, &hosts[i], &counters).await }
-        });
-        stream::iter(beats)
-            .buffer_unordered(IN_FLIGHT)
-            .collect::<Vec<()>>()
-            .await;
+        // Each tick's slice runs on its own: a slow answer (a busy or changing leader) must not
+        // delay the next slices, or their hosts would fall silent past lease and grace.
+        let beats: Vec<_> = slice
+            .into_iter()
+            .map(|i| {
+                let (api, hosts, counters) = (api.clone(), hosts.clone(), counters.clone());
+                async move { heartbeat(&api, &hosts[i], &counters).await }
+            })
+            .collect();
+        tokio::spawn(
+            stream::iter(beats)
+                .buffer_unordered(IN_FLIGHT)
+                .collect::<Vec<()>>(),
+        );
     }
 }
 

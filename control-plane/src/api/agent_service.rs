@@ -169,7 +169,7 @@ impl AgentApi for AgentService {
                     .into());
                 }
                 {
-                    let data = r.sm.read();
+                    let data = r.sm.read_async().await;
                     if let Some(existing) = data.cluster.nodes.get(&req.name)
                         && existing.spec.incarnation != req.incarnation
                         && existing.status != NodeStatus::Down
@@ -216,7 +216,7 @@ impl AgentApi for AgentService {
             |req| async move {
                 require_live_leader(r, config)?;
                 {
-                    let data = r.sm.read();
+                    let data = r.sm.read_async().await;
                     check_node_exists(&data.cluster, &req.node)?;
                     let registered = &data.cluster.nodes[&req.node].spec.incarnation;
                     if *registered != req.incarnation {
@@ -273,7 +273,7 @@ impl AgentApi for AgentService {
                         return;
                     }
                 }
-                let set = assignments_for(&r.sm.read().cluster, &node, term);
+                let set = assignments_for(&r.sm.read_async().await.cluster, &node, term);
                 // Send on change, and resend an unchanged set as a keepalive.
                 if last.as_ref() != Some(&set) || last_sent.elapsed() >= ASSIGNMENT_KEEPALIVE {
                     if tx.send(Ok(set.clone())).await.is_err() {
@@ -310,7 +310,7 @@ impl AgentApi for AgentService {
                     // answers this check correctly. A missing allocation is left to apply: this
                     // replica may not have applied its placement yet, and apply's NotFound (an
                     // exit reported before, or a node declared lost) is answered as success.
-                    let data = r.sm.read();
+                    let data = r.sm.read_async().await;
                     if let Some(rec) = data.cluster.allocations.get(&req.allocation_id)
                         && rec.allocation.node != req.node
                     {

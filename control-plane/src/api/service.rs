@@ -111,11 +111,14 @@ impl ControlPlane for ControlPlaneService {
                 };
                 // Checks against current state first so that a request the state would reject
                 // is answered without adding an entry to the log. Apply checks again.
-                let known = key
-                    .as_deref()
-                    .and_then(|k| r.sm.read().cluster.job_for_key(&spec.tenant, k));
-                if known.is_none() {
-                    r.sm.read().cluster.check_submission(&spec)?;
+                {
+                    let data = r.sm.read_async().await;
+                    let known = key
+                        .as_deref()
+                        .and_then(|k| data.cluster.job_for_key(&spec.tenant, k));
+                    if known.is_none() {
+                        data.cluster.check_submission(&spec)?;
+                    }
                 }
                 match r.write(Command::submit(spec, key)).await? {
                     Outcome::JobSubmitted { id, created } => {
@@ -272,7 +275,7 @@ impl ControlPlane for ControlPlaneService {
                             continue;
                         }
                         let job = {
-                            let data = replica.sm.read();
+                            let data = replica.sm.read_async().await;
                             convert::job_to_proto(&ev.job, &data.cluster)
                         };
                         let msg = pb::JobEvent {

@@ -1,9 +1,11 @@
 //! `gpuctl bench`: measurements anyone can rerun against a local cluster of real replica
 //! processes (this binary's `replica` subcommand) with durable storage on loopback.
 //!
-//! - `failover`: SIGKILL the leader while writes flow; time to a new leader and to the first
-//!   write committed after the kill. Repeated `--kills` times (the killed replica restarts and
-//!   catches up between rounds), reported as p50/p99/max.
+//! - `failover` (`bench_failover`): SIGKILL the leader while simulated hosts run a steady job
+//!   stream; time to a new leader, to the first commit and to the first placement after the
+//!   kill. Repeated `--kills` times, reported as p50/p99/max.
+//! - `placement` (`bench_placement`): committed placements per second for a burst of one-GPU
+//!   jobs on a fleet of simulated hosts (`bench_hosts`).
 //! - `submit`: committed submissions per second and their latency with `--clients` concurrent
 //!   clients, each waiting for its write to commit before sending the next.
 
@@ -15,18 +17,47 @@ use proto::v1 as pb;
 use serde_json::json;
 
 use super::output::{Format, table};
-use crate::client::{Client, with_timeout};
-use crate::local_cluster::{LocalCluster, StartMode, free_ports};
+use crate::client::with_timeout;
+use crate::local_cluster::{LocalCluster, free_ports};
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
-    /// Leader failover: SIGKILL the leader repeatedly and time the recovery.
+    /// Leader failover: SIGKILL the leader repeatedly while simulated hosts run a steady job
+    /// stream, and time the recovery (new leader, first commit, first placement).
     Failover {
         #[arg(long, default_value_t = 20)]
         kills: usize,
         /// Extra flags for every replica (e.g. "--election-min-ms 150 --election-max-ms 300").
         #[arg(long, default_value = "", allow_hyphen_values = true)]
         replica_args: String,
+        /// Simulated 8-GPU hosts finishing each job as soon as it is assigned.
+        #[arg(long, default_value_t = 32)]
+        hosts: usize,
+        /// Submissions per second of the steady job stream.
+        #[arg(long, default_value_t = 200)]
+        rate: u64,
+    },
+    /// Committed placements per second: a burst of one-GPU jobs on simulated hosts.
+    Placement {
+        /// Simulated hosts, registered through the agent API (no processes).
+        #[arg(long, default_value_t = 1000)]
+        hosts: usize,
+        /// One-GPU jobs in the burst.
+        #[arg(long, default_value_t = 100_000)]
+        jobs: usize,
+        /// Simulated host preset.
+        #[arg(long, default_value = "dgx-h100")]
+        preset: String,
+        /// Hosts report each job started and succeeded as soon as it is assigned, so GPUs turn
+        /// over (auto: when the burst has more jobs than the fleet has GPUs).
+        #[arg(long, value_enum, default_value = "auto")]
+        finish: super::bench_placement::Finish,
+        /// Submissions in flight at once while the burst is queued.
+        #[arg(long, default_value_t = 256)]
+        submit_concurrency: usize,
+        /// Heartbeat period of each host (default: half the lease the control plane grants).
+        #[arg(long, value_name = "MS")]
+        heartbeat_ms: Option<u64>,
     },
     /// Committed submissions per second through three replicas.
     Submit {
@@ -135,7 +166,32 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
     let result = runtime.block_on(async {
         cluster.wait_for_leader(Duration::from_secs(30)).await?;
         match command {
-            BenchCommand::Failover { kills, .. } => failover(&mut cluster, kills).await,
+            BenchCommand::Failover {
+                kills, hosts, rate, ..
+            } => {
+                let args = super::bench_failover::Args { kills, hosts, rate };
+                let (text, json) = super::bench_failover::run(&mut cluster, args).await?;
+                Ok(Report { text, json })
+            }
+            BenchCommand::Placement {
+                hosts,
+                jobs,
+                preset,
+                finish,
+                submit_concurrency,
+                heartbeat_ms,
+            } => {
+                let args = super::bench_placement::Args {
+                    hosts,
+                    jobs,
+                    preset,
+                    finish,
+                    submit_concurrency,
+                    heartbeat: heartbeat_ms.map(Duration::from_millis),
+                };
+                let (text, json) = super::bench_placement::run(&cluster, args).await?;
+                Ok(Report { text, json })
+            }
             BenchCommand::Submit { clients, seconds } => {
                 submit(&cluster, &clients, Duration::from_secs(seconds)).await
             }
@@ -165,7 +221,7 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-fn summary(mut v: Vec<f64>) -> serde_json::Value {
+pub(super) fn summary(mut v: Vec<f64>) -> serde_json::Value {
     v.sort_by(|a, b| a.total_cmp(b));
     json!({
         "p50": percentile(&v, 50.0),
@@ -176,7 +232,7 @@ fn summary(mut v: Vec<f64>) -> serde_json::Value {
     })
 }
 
-fn submit_request(i: u64, key_prefix: &str) -> pb::SubmitJobRequest {
+pub(super) fn submit_request(i: u64, key_prefix: &str) -> pb::SubmitJobRequest {
     pb::SubmitJobRequest {
         spec: Some(pb::JobSpec {
             tenant: "bench".into(),
@@ -188,134 +244,6 @@ fn submit_request(i: u64, key_prefix: &str) -> pb::SubmitJobRequest {
             ..Default::default()
         }),
         idempotency_key: format!("{key_prefix}-{i}"),
-    }
-}
-
-async fn failover(cluster: &mut LocalCluster, kills: usize) -> anyhow::Result<Report> {
-    let mut to_leader = Vec::new();
-    let mut to_commit = Vec::new();
-    let mut seq = 0u64;
-    for round in 0..kills {
-        let before = cluster.wait_for_leader(Duration::from_secs(30)).await?;
-        // Warm: one committed write so every replica is current before the kill.
-        let mut client = cluster.client()?;
-        seq += 1;
-        let req = submit_request(seq, "warm");
-        client
-            .call(|mut c, t| {
-                let r = req.clone();
-                async move { c.submit_job(with_timeout(r, t)).await }
-            })
-            .await?;
-        for id in cluster.replicas.keys().copied().collect::<Vec<_>>() {
-            wait_applied(cluster, id, before.commit_index).await?;
-        }
-
-        let killed = before.leader;
-        let survivors: Vec<String> = cluster
-            .replicas
-            .values()
-            .filter(|r| r.id != killed)
-            .map(|r| r.addr.clone())
-            .collect();
-        let mut probe = Client::new(&survivors)?;
-        probe.attempt_timeout = Duration::from_millis(300);
-        probe.deadline = Duration::from_secs(30);
-        let t0 = Instant::now();
-        cluster.kill(killed)?;
-
-        // Writes through the survivors until one commits; a status poller notes the new leader.
-        let leader_watch = {
-            let addrs = survivors.clone();
-            tokio::spawn(async move {
-                loop {
-                    for a in &addrs {
-                        if let Ok(mut c) = Client::new(std::slice::from_ref(a)) {
-                            c.deadline = Duration::from_millis(100);
-                            c.attempt_timeout = Duration::from_millis(100);
-                            if let Ok(s) = c
-                                .call(|mut c, t| async move {
-                                    c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
-                                        .await
-                                })
-                                .await
-                                && s.leader != 0
-                                && s.leader != killed
-                                && s.term > before.term
-                            {
-                                return (Instant::now(), s.leader);
-                            }
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            })
-        };
-        seq += 1;
-        let req = submit_request(seq, "probe");
-        probe
-            .call(|mut c, t| {
-                let r = req.clone();
-                async move { c.submit_job(with_timeout(r, t)).await }
-            })
-            .await?;
-        let committed = t0.elapsed();
-        let (elected_at, new_leader) = leader_watch.await?;
-        let elected = elected_at.duration_since(t0).min(committed);
-        to_leader.push(elected.as_secs_f64() * 1000.0);
-        to_commit.push(committed.as_secs_f64() * 1000.0);
-        eprintln!(
-            "kill {}/{kills}: leader {killed} killed; replica {new_leader} leads after {:.0} ms; first commit after {:.0} ms",
-            round + 1,
-            elected.as_secs_f64() * 1000.0,
-            committed.as_secs_f64() * 1000.0
-        );
-        cluster.start(killed, StartMode::Initial)?;
-    }
-    let j = json!({
-        "benchmark": "failover",
-        "kills": kills,
-        "to_new_leader_ms": summary(to_leader.clone()),
-        "to_first_commit_ms": summary(to_commit.clone()),
-    });
-    let row = |name: &str, v: &serde_json::Value| {
-        vec![
-            name.to_owned(),
-            format!("{:.0}", v["p50"].as_f64().unwrap_or(f64::NAN)),
-            format!("{:.0}", v["p99"].as_f64().unwrap_or(f64::NAN)),
-            format!("{:.0}", v["max"].as_f64().unwrap_or(f64::NAN)),
-        ]
-    };
-    let text = table(
-        &[
-            "FROM SIGKILL OF THE LEADER TO",
-            "P50_MS",
-            "P99_MS",
-            "MAX_MS",
-        ],
-        &[
-            row("a new leader", &j["to_new_leader_ms"]),
-            row("first committed write", &j["to_first_commit_ms"]),
-        ],
-    );
-    Ok(Report {
-        text: format!("{kills} leader kills, 3 replicas\n{text}"),
-        json: j,
-    })
-}
-
-async fn wait_applied(cluster: &LocalCluster, id: u64, index: u64) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(s) = cluster.status(id).await
-            && s.applied_index >= index
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("replica {id} did not catch up to index {index}");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

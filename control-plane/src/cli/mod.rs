@@ -5,6 +5,9 @@
 
 mod bench;
 mod bench_memory;
+mod bench_failover;
+mod bench_hosts;
+mod bench_placement;
 mod bench_scheduler;
 mod dev;
 mod node;

@@ -105,6 +105,11 @@ async fn leader_loops(
     let mut last_pass = Instant::now() - config.schedule_interval;
     let mut last_liveness_check = Instant::now();
     let mut last_compaction = Instant::now();
+    // How long to let changes land before the next pass: a pass that proposed something is
+    // followed at once (more work is likely placeable); after one that found nothing to do,
+    // wait as long as that pass took (up to the interval), so that on a large cluster with a
+    // long blocked queue, a stream of submissions cannot keep the leader planning back to back.
+    let mut settle = MIN_SETTLE;
     loop {
         tokio::select! {
             // Biased: tokio's fair select draws from a per-runtime random seed the simulation
@@ -112,17 +117,23 @@ async fn leader_loops(
             biased;
             _ = applied.changed() => {
                 // Let a burst of submissions land before planning once for all of them.
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                tokio::time::sleep(settle).await;
             }
             _ = tokio::time::sleep(config.schedule_interval.saturating_sub(last_pass.elapsed())) => {}
         }
         last_pass = Instant::now();
         match schedule_once(&replica, term, &config.policy).await {
-            Ok(false) => {}
-            Ok(true) => {
-                // Placements were proposed but none stuck (the view was stale): do not spin on
-                // the applied-index change that our own entry caused.
-                tokio::time::sleep(config.schedule_interval).await;
+            Ok(pass) => {
+                settle = if pass.proposed {
+                    MIN_SETTLE
+                } else {
+                    pass.took.clamp(MIN_SETTLE, config.schedule_interval)
+                };
+                if pass.refused {
+                    // Placements were proposed but none stuck (the view was stale): do not
+                    // spin on the applied-index change that our own entry caused.
+                    tokio::time::sleep(config.schedule_interval).await;
+                }
             }
             Err(ApiError::NotLeader { .. }) => return,
             Err(e) => tracing::warn!(?e, "scheduling pass failed"),
@@ -170,18 +181,59 @@ async fn compact_jobs(replica: &Replica, config: &LeaderConfig) -> Result<(), Ap
     Ok(())
 }
 
-/// One scheduling pass. Returns whether a plan was proposed and entirely refused.
+/// A pass that takes this long is logged (with the placements it found).
+const SLOW_PASS: Duration = Duration::from_millis(250);
+
+/// Runs CPU-bound work (a scheduling pass: up to seconds on a large cluster) where it does not
+/// hold up one of the runtime's few threads: on a multi-threaded runtime the thread hands its
+/// other tasks (Raft heartbeats, API calls) to another before `f` runs. The deterministic
+/// simulation's single-threaded runtime runs `f` in place.
+fn off_runtime<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// Shortest wait after an applied change before the next pass.
+const MIN_SETTLE: Duration = Duration::from_millis(2);
+
+/// What one scheduling pass did.
+struct Pass {
+    /// The plan had placements or preemptions, and they were proposed.
+    proposed: bool,
+    /// Proposed, and every one of them was refused at apply.
+    refused: bool,
+    /// Time spent planning (not proposing).
+    took: Duration,
+}
+
+/// One scheduling pass.
 async fn schedule_once(
     replica: &Replica,
     term: u64,
     policy: &scheduler::Policy,
-) -> Result<bool, ApiError> {
-    let plan = {
+) -> Result<Pass, ApiError> {
+    let started = Instant::now();
+    let plan = off_runtime(|| {
         let data = replica.sm.read();
         scheduler::plan_with(&data.cluster, replica.now_ms(), policy)
-    };
+    });
+    let took = started.elapsed();
+    if took >= SLOW_PASS {
+        tracing::info!(
+            pass_ms = took.as_millis() as u64,
+            placements = plan.placements.len(),
+            "slow scheduling pass"
+        );
+    }
     if plan.is_empty() {
-        return Ok(false);
+        return Ok(Pass {
+            proposed: false,
+            refused: false,
+            took,
+        });
     }
     if let Some(r) = &plan.reservation {
         tracing::debug!(job = r.job, start_at = r.start_at, nodes = ?r.nodes, "backfill reservation");
@@ -221,7 +273,11 @@ async fn schedule_once(
             other => tracing::warn!(?other, "unexpected outcome of a plan"),
         }
     }
-    Ok(refused)
+    Ok(Pass {
+        proposed: true,
+        refused,
+        took,
+    })
 }
 
 /// Declares lost every node whose agent has been silent for lease + grace.

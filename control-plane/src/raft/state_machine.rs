@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::io::Cursor;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
@@ -50,6 +50,9 @@ type Meta = SnapshotMeta<NodeId, BasicNode>;
 
 /// Frames a snapshot: header and meta, then whatever `write_data` appends (the state's JSON).
 /// Returns the framed bytes and where the data starts in them.
+/// An apply that holds the state's write lock this long is logged.
+const SLOW_APPLY: std::time::Duration = std::time::Duration::from_millis(100);
+
 fn frame(
     meta: &SnapshotMeta<NodeId, BasicNode>,
     write_data: impl FnOnce(&mut Vec<u8>) -> Result<(), serde_json::Error>,
@@ -284,6 +287,39 @@ impl StateMachineStore {
             .expect("state machine lock poisoned")
     }
 
+    /// Read access for async handlers on hot paths (heartbeats, reports, submissions,
+    /// streams): waits for an apply in progress on the runtime's timer instead of parking the
+    /// thread in the lock. Thousands of heartbeats a second would otherwise park every runtime
+    /// thread behind one long apply (a plan placing 10,000 jobs), and a replica that cannot run
+    /// its Raft tasks for a few hundred milliseconds triggers an election.
+    pub async fn read_async(&self) -> RwLockReadGuard<'_, StateMachineData> {
+        loop {
+            match self.shared.data.try_read() {
+                Ok(guard) => return guard,
+                Err(TryLockError::Poisoned(_)) => panic!("state machine lock poisoned"),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
+    /// The write lock, taken without parking a runtime thread inside the lock. While a writer
+    /// waits in it, std's `RwLock` makes every new reader wait too: behind one long reader (a
+    /// scheduling pass on a large cluster) the apply task, then every API handler that reads
+    /// the state, would park all of the runtime's threads, and the replica would stop sending
+    /// Raft heartbeats until the pass ended. Retrying on the runtime's timer keeps readers
+    /// flowing; the apply waits for the pass either way.
+    async fn write_lock(&self) -> RwLockWriteGuard<'_, StateMachineData> {
+        loop {
+            match self.shared.data.try_write() {
+                Ok(guard) => return guard,
+                Err(TryLockError::Poisoned(_)) => panic!("state machine lock poisoned"),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
         self.shared.events.subscribe()
     }
@@ -358,11 +394,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut events = Vec::new();
         let mut replies_last_index = None;
         {
-            let mut data = self
-                .shared
-                .data
-                .write()
-                .expect("state machine lock poisoned");
+            let mut data = self.write_lock().await;
+            let locked_at = std::time::Instant::now();
             for entry in entries {
                 data.last_applied = Some(entry.log_id);
                 let index = entry.log_id.index;
@@ -392,6 +425,14 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                         replies.push(Outcome::Done);
                     }
                 }
+            }
+            let held = locked_at.elapsed();
+            if held >= SLOW_APPLY {
+                tracing::info!(
+                    held_ms = held.as_millis() as u64,
+                    entries = replies.len(),
+                    "slow apply: the state was locked this long"
+                );
             }
         }
         if let Some(last) = replies_last_index {

@@ -1,0 +1,484 @@
+//! A fleet of simulated GPU hosts living inside the benchmark process: each host registers
+//! through the real `AgentApi` (the inventory a simulated node agent of the same preset would
+//! report), keeps its lease with heartbeats, and, when asked, follows its assignments and
+//! reports every allocation started then succeeded the moment it sees it (a job that exits at
+//! once), so GPUs turn over through the log. No node-agent processes and no workloads: a
+//! thousand agent processes would measure the host, not the control plane.
+//!
+//! Heartbeats are spread evenly over the heartbeat period (a few hundred hosts per tick, a
+//! bounded number in flight) so that 12,500 hosts cost a steady trickle of small RPCs instead
+//! of a burst every period. The period defaults to half the lease the control plane announces:
+//! a host keeps its lease with room for one lost heartbeat, and the leader declares a node lost
+//! only after lease + grace of silence.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::{StreamExt, stream};
+use proto::agent as pa;
+use proto::agent::agent_api_client::AgentApiClient;
+use proto::transport::{lazy_channel, retryable};
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use crate::state::NodeSpec;
+use crate::synthetic::node_from_preset;
+
+/// RPCs of one kind (registrations, heartbeats) in flight at once.
+const IN_FLIGHT: usize = 64;
+/// Heartbeats go out in this many slices per period.
+const TICKS_PER_PERIOD: u32 = 20;
+/// Pause before a broken assignment stream is opened again (a failover takes longer).
+const RECONNECT_PAUSE: Duration = Duration::from_millis(5);
+/// Hosts following their assignments over one connection per replica.
+const HOSTS_PER_CONNECTION: usize = 64;
+
+#[derive(Debug, Clone)]
+pub struct FleetOptions {
+    pub hosts: usize,
+    /// Simulated host preset (`dgx-h100`: 8 H100 SXM on NVLink).
+    pub preset: String,
+    /// Hosts are called `{prefix}-{i}`.
+    pub prefix: String,
+    /// Heartbeat period of every host; `None`: half the lease the control plane announces.
+    pub heartbeat: Option<Duration>,
+}
+
+/// What the fleet has done, for the benchmark's report and its sanity checks.
+#[derive(Debug, Default)]
+pub struct FleetCounters {
+    pub heartbeats: AtomicU64,
+    pub heartbeat_errors: AtomicU64,
+    pub reregistrations: AtomicU64,
+    /// Distinct allocations the hosts were assigned.
+    pub assigned: AtomicU64,
+    pub started: AtomicU64,
+    pub finished: AtomicU64,
+    pub stopped: AtomicU64,
+    pub report_errors: AtomicU64,
+    /// Assignment streams opened (the first per host included).
+    pub watch_connects: AtomicU64,
+}
+
+/// The `AgentApi` of every replica, tried in turn: followers forward registrations, heartbeats
+/// and reports to the leader; only the leader serves assignment streams.
+#[derive(Clone)]
+struct AgentEndpoints {
+    clients: Arc<Vec<AgentApiClient<Channel>>>,
+    /// The endpoint that answered last, tried first next time (usually the leader).
+    preferred: Arc<AtomicUsize>,
+}
+
+impl AgentEndpoints {
+    fn new(endpoints: &[String]) -> anyhow::Result<AgentEndpoints> {
+        let clients = endpoints
+            .iter()
+            .map(|e| {
+                lazy_channel(e)
+                    .map(AgentApiClient::new)
+                    .with_context(|| format!("endpoint {e:?} is not HOST:PORT"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(AgentEndpoints {
+            clients: Arc::new(clients),
+            preferred: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// Runs `call` against the endpoints until one answers or fails for a reason retrying
+    /// cannot fix, for at most `deadline`.
+    async fn call<T, F, Fut>(&self, deadline: Duration, mut call: F) -> Result<T, Status>
+    where
+        F: FnMut(AgentApiClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let start = Instant::now();
+        let n = self.clients.len();
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let first = self.preferred.load(Ordering::Relaxed);
+            let mut last = None;
+            for k in 0..n {
+                let i = (first + k) % n;
+                let attempt = tokio::time::timeout(deadline, call(self.clients[i].clone())).await;
+                match attempt {
+                    Ok(Ok(resp)) => {
+                        self.preferred.store(i, Ordering::Relaxed);
+                        return Ok(resp.into_inner());
+                    }
+                    Ok(Err(s)) if retryable(&s) => last = Some(s),
+                    Ok(Err(s)) => return Err(s),
+                    Err(_) => last = Some(Status::deadline_exceeded("no answer in time")),
+                }
+            }
+            if start.elapsed() >= deadline {
+                return Err(last.unwrap_or_else(|| Status::unavailable("no endpoint answered")));
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(50));
+        }
+    }
+}
+
+/// One simulated host: its registration, fixed for the fleet's life.
+struct Host {
+    registration: pa::RegisterNodeRequest,
+}
+
+impl Host {
+    fn name(&self) -> &str {
+        &self.registration.name
+    }
+}
+
+/// A registered fleet whose hosts heartbeat until it is dropped.
+pub struct SimulatedFleet {
+    addresses: Vec<String>,
+    endpoints: AgentEndpoints,
+    hosts: Arc<Vec<Host>>,
+    pub counters: Arc<FleetCounters>,
+    /// When the first allocation created in each leader term was first seen by a host.
+    first_seen_in_term: Arc<Mutex<BTreeMap<u64, Instant>>>,
+    pub gpus_per_host: usize,
+    pub heartbeat_period: Duration,
+    /// How long registering every host took.
+    pub registration_time: Duration,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for SimulatedFleet {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl SimulatedFleet {
+    /// Registers every host (through any replica) and starts their heartbeats.
+    pub async fn start(endpoints: &[String], options: &FleetOptions) -> anyhow::Result<Self> {
+        let api = AgentEndpoints::new(endpoints)?;
+        // Unique per run, so a host of an earlier run in the same data directory is told apart.
+        let incarnation = format!(
+            "bench-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0)
+        );
+        let hosts: Vec<Host> = (0..options.hosts)
+            .map(|i| {
+                let name = format!("{}-{i}", options.prefix);
+                let spec = node_from_preset(&options.preset, &name, None, BTreeMap::new())
+                    .with_context(|| format!("building simulated host {name}"))?;
+                Ok(Host {
+                    registration: registration(&spec, &incarnation),
+                })
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let gpus_per_host = hosts
+            .first()
+            .map(|h| h.registration.gpus.len())
+            .unwrap_or(0);
+
+        let started = Instant::now();
+        let answers: Vec<Result<pa::RegisterNodeResponse, Status>> =
+            stream::iter(hosts.iter().map(|h| register(&api, h)))
+                .buffer_unordered(IN_FLIGHT)
+                .collect()
+                .await;
+        let mut lease = None;
+        for (answer, host) in answers.into_iter().zip(&hosts) {
+            let answer = answer.with_context(|| format!("registering host {}", host.name()))?;
+            lease = Some(Duration::from_millis(answer.lease_ms));
+        }
+        let registration_time = started.elapsed();
+        let heartbeat_period = options
+            .heartbeat
+            .or(lease.map(|l| l / 2))
+            .unwrap_or(Duration::from_secs(1))
+            .max(Duration::from_millis(50));
+
+        let mut fleet = SimulatedFleet {
+            addresses: endpoints.to_vec(),
+            endpoints: api,
+            hosts: Arc::new(hosts),
+            counters: Arc::default(),
+            first_seen_in_term: Arc::default(),
+            gpus_per_host,
+            heartbeat_period,
+            registration_time,
+            tasks: Vec::new(),
+        };
+        let heartbeats = tokio::spawn(heartbeat_loop(
+            fleet.endpoints.clone(),
+            fleet.hosts.clone(),
+            fleet.counters.clone(),
+            heartbeat_period,
+        ));
+        fleet.tasks.push(heartbeats);
+        Ok(fleet)
+    }
+
+    pub fn hosts(&self) -> usize {
+        self.hosts.len()
+    }
+
+    pub fn total_gpus(&self) -> usize {
+        self.hosts.len() * self.gpus_per_host
+    }
+
+    /// Every host follows its assignments from now on and reports each new allocation started,
+    /// then succeeded (an allocation it is asked to stop: stopped), as soon as it sees it.
+    pub fn finish_jobs(&mut self) -> anyhow::Result<()> {
+        let mut group = self.endpoints.clone();
+        for i in 0..self.hosts.len() {
+            // Each group of hosts gets its own connections, as separate agents would have:
+            // thousands of long-lived streams on one HTTP/2 connection would serialize them.
+            if i % HOSTS_PER_CONNECTION == 0 {
+                group = AgentEndpoints::new(&self.addresses)?;
+            }
+            let task = tokio::spawn(follow_assignments(
+                group.clone(),
+                self.hosts.clone(),
+                i,
+                self.counters.clone(),
+                self.first_seen_in_term.clone(),
+            ));
+            self.tasks.push(task);
+        }
+        Ok(())
+    }
+
+    /// When a host first saw an allocation placed by a leader of a term after `term`.
+    pub fn first_placement_after_term(&self, term: u64) -> Option<Instant> {
+        let seen = self.first_seen_in_term.lock().expect("fleet lock poisoned");
+        seen.range(term + 1..).map(|(_, at)| *at).min()
+    }
+}
+
+/// What a simulated node agent of this inventory would send when it registers.
+fn registration(spec: &NodeSpec, incarnation: &str) -> pa::RegisterNodeRequest {
+    pa::RegisterNodeRequest {
+        name: spec.name.clone(),
+        gpus: spec
+            .gpus
+            .iter()
+            .map(|g| pa::GpuInfo {
+                uuid: g.uuid.clone(),
+                index: g.index,
+                model: g.model.clone(),
+                memory_mib: g.memory_mib,
+                pci_bus_id: g.pci_bus_id.clone(),
+                numa_node: g.numa_node.map(|n| n as i32).unwrap_or(-1),
+                mig_enabled: !g.mig.is_empty(),
+                mig_instances: g
+                    .mig
+                    .iter()
+                    .map(|m| pa::MigInstance {
+                        uuid: m.uuid.clone(),
+                        profile: m.profile.clone(),
+                        memory_mib: m.memory_mib,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        topology: spec
+            .topology
+            .iter()
+            .map(|row| pa::LinkRow { links: row.clone() })
+            .collect(),
+        cpu_milli: spec.cpu_milli,
+        memory_mib: spec.memory_mib,
+        partition: spec.partition.clone().unwrap_or_default(),
+        labels: Default::default(),
+        agent_address: String::new(),
+        driver: spec.driver.clone(),
+        // No processes to fence: any value under the control plane's node grace will do.
+        fence_grace_ms: 1_000,
+        incarnation: incarnation.to_owned(),
+    }
+}
+
+async fn register(api: &AgentEndpoints, host: &Host) -> Result<pa::RegisterNodeResponse, Status> {
+    let req = host.registration.clone();
+    api.call(Duration::from_secs(30), |mut c| {
+        let r = req.clone();
+        async move { c.register_node(r).await }
+    })
+    .await
+}
+
+/// Heartbeats every host once per `period`, a slice of the fleet per tick.
+async fn heartbeat_loop(
+    api: AgentEndpoints,
+    hosts: Arc<Vec<Host>>,
+    counters: Arc<FleetCounters>,
+    period: Duration,
+) {
+    let tick = period / TICKS_PER_PERIOD;
+    let per_tick = hosts.len().div_ceil(TICKS_PER_PERIOD as usize).max(1);
+    let mut next = 0usize;
+    let mut ticker = tokio::time::interval(tick);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let slice: Vec<usize> = (0..per_tick.min(hosts.len()))
+            .map(|k| (next + k) % hosts.len())
+            .collect();
+        next = (next + per_tick) % hosts.len().max(1);
+        // Each tick's slice runs on its own: a slow answer (a busy or changing leader) must not
+        // delay the next slices, or their hosts would fall silent past lease and grace.
+        let beats: Vec<_> = slice
+            .into_iter()
+            .map(|i| {
+                let (api, hosts, counters) = (api.clone(), hosts.clone(), counters.clone());
+                async move { heartbeat(&api, &hosts[i], &counters).await }
+            })
+            .collect();
+        tokio::spawn(
+            stream::iter(beats)
+                .buffer_unordered(IN_FLIGHT)
+                .collect::<Vec<()>>(),
+        );
+    }
+}
+
+async fn heartbeat(api: &AgentEndpoints, host: &Host, counters: &FleetCounters) {
+    let req = pa::HeartbeatRequest {
+        node: host.registration.name.clone(),
+        // The control plane does not read it; the allocations these hosts "run" end at once.
+        running: Vec::new(),
+        incarnation: host.registration.incarnation.clone(),
+    };
+    let answer = api
+        .call(Duration::from_secs(2), |mut c| {
+            let r = req.clone();
+            async move { c.heartbeat(r).await }
+        })
+        .await;
+    match answer {
+        Ok(_) => {
+            counters.heartbeats.fetch_add(1, Ordering::Relaxed);
+        }
+        // Declared lost, or unknown: register again, as an agent would.
+        Err(s) if matches!(s.code(), Code::NotFound | Code::FailedPrecondition) => {
+            counters.reregistrations.fetch_add(1, Ordering::Relaxed);
+            if register(api, host).await.is_err() {
+                counters.heartbeat_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Err(_) => {
+            counters.heartbeat_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Follows one host's assignment stream (served by the leader only) for as long as the fleet
+/// lives, reconnecting through every replica when it breaks (a failover), and reports each new
+/// allocation started then succeeded.
+async fn follow_assignments(
+    api: AgentEndpoints,
+    hosts: Arc<Vec<Host>>,
+    index: usize,
+    counters: Arc<FleetCounters>,
+    first_seen_in_term: Arc<Mutex<BTreeMap<u64, Instant>>>,
+) {
+    let host = &hosts[index];
+    let node = host.name().to_owned();
+    // Allocations already reported; pruned to those still in the latest set.
+    let mut reported: BTreeSet<u64> = BTreeSet::new();
+    let mut endpoint = api.preferred.load(Ordering::Relaxed);
+    loop {
+        let mut client = api.clients[endpoint % api.clients.len()].clone();
+        let opened = client
+            .watch_assignments(pa::WatchAssignmentsRequest { node: node.clone() })
+            .await;
+        let mut stream = match opened {
+            Ok(s) => s.into_inner(),
+            Err(_) => {
+                // Not the leader (or down): try the next replica.
+                endpoint += 1;
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+                continue;
+            }
+        };
+        counters.watch_connects.fetch_add(1, Ordering::Relaxed);
+        while let Some(Ok(set)) = stream.next().await {
+            let seen_at = Instant::now();
+            let current: BTreeSet<u64> = set.allocations.iter().map(|a| a.allocation_id).collect();
+            reported.retain(|id| current.contains(id));
+            let fresh: Vec<&pa::Assignment> = set
+                .allocations
+                .iter()
+                .filter(|a| !reported.contains(&a.allocation_id))
+                .collect();
+            if fresh.is_empty() {
+                continue;
+            }
+            {
+                let mut seen = first_seen_in_term.lock().expect("fleet lock poisoned");
+                for a in &fresh {
+                    seen.entry(a.term).or_insert(seen_at);
+                }
+            }
+            counters
+                .assigned
+                .fetch_add(fresh.len() as u64, Ordering::Relaxed);
+            let reports = fresh
+                .iter()
+                .map(|a| finish(&api, &node, a.allocation_id, a.stop, &counters));
+            futures::future::join_all(reports).await;
+            reported.extend(fresh.iter().map(|a| a.allocation_id));
+        }
+        // The stream ended (leader change, replica killed): reconnect, leader first.
+        endpoint = api.preferred.load(Ordering::Relaxed);
+        tokio::time::sleep(RECONNECT_PAUSE).await;
+    }
+}
+
+/// Reports one allocation started then succeeded (or, if the control plane wants it stopped,
+/// stopped), each a committed write.
+async fn finish(
+    api: &AgentEndpoints,
+    node: &str,
+    allocation: u64,
+    stop: bool,
+    counters: &FleetCounters,
+) {
+    use pa::allocation_report::Event;
+    let events: &[Event] = if stop {
+        &[Event::Stopped]
+    } else {
+        &[Event::Started, Event::Succeeded]
+    };
+    for event in events {
+        let req = pa::AllocationReport {
+            node: node.to_owned(),
+            allocation_id: allocation,
+            event: *event as i32,
+            has_exit_code: *event == Event::Succeeded,
+            ..Default::default()
+        };
+        let answer = api
+            .call(Duration::from_secs(30), |mut c| {
+                let r = req.clone();
+                async move { c.report_allocation(r).await }
+            })
+            .await;
+        match (answer, event) {
+            (Err(_), _) => {
+                counters.report_errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            (Ok(_), Event::Started) => counters.started.fetch_add(1, Ordering::Relaxed),
+            (Ok(_), Event::Stopped) => counters.stopped.fetch_add(1, Ordering::Relaxed),
+            (Ok(_), _) => counters.finished.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+}

@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_scheduler;
+mod bench_submit;
 mod dev;
 mod node;
 pub mod output;

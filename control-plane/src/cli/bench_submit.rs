@@ -103,7 +103,9 @@ pub async fn run(
                 .await
                 .with_context(|| format!("warm-up submission via {} failed", via.name()))?;
             let load = load_average();
+            let cpu_before = replicas_cpu_seconds(cluster);
             let samples = open_loop(client, rate, args.duration, &prefix).await?;
+            let cpu = replicas_cpu_seconds(cluster) - cpu_before;
             let after = cluster.wait_for_leader(Duration::from_secs(30)).await?;
             if after.leader != status.leader {
                 eprintln!(
@@ -114,6 +116,9 @@ pub async fn run(
                 );
             }
             let run = summarize(&samples);
+            // CPU the three replicas used per committed write: unlike latency, it hardly
+            // depends on what else the machine is running.
+            let cpu_ms_per_write = cpu * 1000.0 / run.committed.max(1) as f64;
             rows.push(vec![
                 via.name().to_owned(),
                 rate.to_string(),
@@ -124,6 +129,7 @@ pub async fn run(
                 format!("{:.2}", run.latency.p50),
                 format!("{:.2}", run.latency.p99),
                 format!("{:.2}", run.latency.max),
+                format!("{cpu_ms_per_write:.2}"),
                 format!("{load:.2}"),
             ]);
             runs.push(json!({
@@ -140,6 +146,7 @@ pub async fn run(
                 "achieved_per_sec": run.achieved_per_sec,
                 "latency_ms": run.latency.json(),
                 "send_lag_ms": run.send_lag.json(),
+                "replica_cpu_ms_per_write": cpu_ms_per_write,
                 "loadavg_1m": load,
             }));
         }
@@ -155,6 +162,7 @@ pub async fn run(
             "P50_MS",
             "P99_MS",
             "MAX_MS",
+            "CPU_MS/W",
             "LOAD_1M",
         ],
         &rows,
@@ -339,6 +347,32 @@ fn summarize(run: &Run) -> RunSummary {
         latency: Summary::of_ms(latencies),
         send_lag: Summary::of_ms(samples.iter().map(|s| ms(s.send_lag)).collect()),
     }
+}
+
+/// User + system CPU seconds the running replicas have used so far (from /proc/PID/stat; NaN
+/// where that is not available).
+fn replicas_cpu_seconds(cluster: &LocalCluster) -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let mut total = 0.0;
+    for r in cluster.replicas.values() {
+        let Some(pid) = r.pid() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return f64::NAN;
+        };
+        // Fields after the parenthesised command name; utime and stime are the 14th and 15th
+        // fields of the whole line, so the 12th and 13th after it.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+            return f64::NAN;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks_used: f64 = fields
+            .get(11..13)
+            .map(|f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum())
+            .unwrap_or(f64::NAN);
+        total += ticks_used / ticks;
+    }
+    total
 }
 
 /// The 1-minute load average of this machine (from /proc/loadavg), reported with every run:

@@ -44,6 +44,10 @@ pub enum BenchCommand {
         /// Seconds of load per (rate, via) run.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
+        /// Extra flags for every replica (e.g. "--election-min-ms 500 --election-max-ms 1000"
+        /// to keep a heavily loaded machine from electing new leaders mid-run).
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        replica_args: String,
     },
     /// One scheduling pass, in process, on synthetic fleets (no replicas started).
     Scheduler {
@@ -88,7 +92,9 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports = free_ports(3)?;
     let mut cluster = LocalCluster::new(&exe, &["replica"], &dir, "bench", &ports);
-    if let BenchCommand::Failover { replica_args, .. } = &command {
+    if let BenchCommand::Failover { replica_args, .. } | BenchCommand::Submit { replica_args, .. } =
+        &command
+    {
         cluster.extra_args = replica_args.split_whitespace().map(str::to_owned).collect();
     }
     cluster.start_all()?;
@@ -103,6 +109,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
                 rates,
                 via,
                 seconds,
+                ..
             } => {
                 let args = super::bench_submit::Args {
                     rates,

@@ -169,13 +169,19 @@ pub async fn run(
     );
     let text = format!(
         "open-loop submissions through 3 replicas (durable, loopback), {}s per run; latency from \
-         each request's scheduled send time to its committed reply\n{text}",
-        args.duration.as_secs_f64()
+         each request's scheduled send time to its committed reply{}\n{text}",
+        args.duration.as_secs_f64(),
+        if cluster.extra_args.is_empty() {
+            String::new()
+        } else {
+            format!("; replicas run with {}", cluster.extra_args.join(" "))
+        }
     );
     let json = json!({
         "benchmark": "submit",
         "mode": "open-loop",
         "replicas": cluster.replicas.len(),
+        "replica_args": cluster.extra_args,
         "runs": runs,
     });
     Ok((text, json))

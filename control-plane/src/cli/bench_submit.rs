@@ -88,6 +88,7 @@ pub async fn run(
     let mut runs = Vec::new();
     for &rate in &args.rates {
         for &via in &args.vias {
+            settle(cluster).await;
             let status = cluster.wait_for_leader(Duration::from_secs(30)).await?;
             let target = match via {
                 Via::Leader => status.leader,
@@ -198,6 +199,29 @@ fn pinned_client(cluster: &LocalCluster, id: u64) -> anyhow::Result<Client> {
     client.deadline = REQUEST_DEADLINE;
     client.attempt_timeout = REQUEST_DEADLINE;
     Ok(client)
+}
+
+/// Waits until the cluster has finished the previous run's work: past its capacity, requests
+/// the client gave up on are still in the leader's queue and would be committed during the
+/// next run. Settled means no replica applied anything for half a second; after two minutes
+/// the run starts anyway, with a warning.
+async fn settle(cluster: &LocalCluster) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut last: Option<Vec<u64>> = None;
+    while Instant::now() < deadline {
+        let mut applied = Vec::new();
+        for &id in cluster.replicas.keys() {
+            applied.push(cluster.status(id).await.map_or(0, |s| s.applied_index));
+        }
+        if last.as_ref() == Some(&applied) && !applied.contains(&0) {
+            return;
+        }
+        last = Some(applied);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!(
+        "warning: the cluster was still applying entries after 120 s; starting the run anyway"
+    );
 }
 
 /// One committed submission before the clock starts: connects the client to its replica and,

@@ -90,3 +90,18 @@ where
         Err(e) => Err(error_status(replica, e)),
     }
 }
+
+/// For writes: fails with `NotLeader` naming the leader when this replica knows that another
+/// replica leads, so that `route` forwards the call at once. Asking this replica's Raft would
+/// give the same answer, but only after the request has queued behind whatever the follower's
+/// Raft core is busy with (mostly flushing the entries the leader sends), which adds up to a
+/// log flush to every forwarded write. When no leader is known, or this replica believes it
+/// leads, the write goes to Raft as before, and Raft decides.
+pub fn forward_if_follower(replica: &Replica) -> Result<(), ApiError> {
+    match replica.leader() {
+        Some((leader, addr)) if leader != replica.id => Err(ApiError::NotLeader {
+            leader: Some((leader, addr)),
+        }),
+        _ => Ok(()),
+    }
+}

@@ -14,7 +14,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::convert;
-use super::route::route;
+use super::route::{forward_if_follower, route};
 use crate::raft::NodeId;
 use crate::replica::{ApiError, Replica};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
@@ -101,6 +101,7 @@ impl ControlPlane for ControlPlaneService {
             r,
             request,
             |req| async move {
+                forward_if_follower(r)?;
                 let spec = convert::job_spec_from_proto(req.spec)?;
                 validate_job_spec(&spec)?;
                 let key = if req.idempotency_key.is_empty() {

@@ -6,8 +6,8 @@
 //!   kill. Repeated `--kills` times, reported as p50/p99/max.
 //! - `placement` (`bench_placement`): committed placements per second for a burst of one-GPU
 //!   jobs on a fleet of simulated hosts (`bench_hosts`).
-//! - `submit`: committed submissions per second and their latency with `--clients` concurrent
-//!   clients, each waiting for its write to commit before sending the next.
+//! - `submit`: submission latency at fixed offered rates, open loop, through a follower and
+//!   through the leader (`bench_submit`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -59,14 +59,26 @@ pub enum BenchCommand {
         #[arg(long, value_name = "MS")]
         heartbeat_ms: Option<u64>,
     },
-    /// Committed submissions per second through three replicas.
+    /// Submission latency at fixed offered rates (open loop) through three replicas.
     Submit {
-        /// Concurrent clients (comma-separated list runs each in turn).
-        #[arg(long, default_value = "1,64", value_delimiter = ',')]
-        clients: Vec<usize>,
-        /// Seconds of load per client count.
+        /// Offered rates in submissions per second (comma-separated; each is run in turn).
+        #[arg(long, default_value = "100,1000,5000", value_delimiter = ',')]
+        rates: Vec<u64>,
+        /// Replica the client is pinned to: follower (forwards to the leader), leader, or both.
+        #[arg(
+            long,
+            value_enum,
+            default_value = "follower,leader",
+            value_delimiter = ','
+        )]
+        via: Vec<super::bench_submit::Via>,
+        /// Seconds of load per (rate, via) run.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
+        /// Extra flags for every replica (e.g. "--election-min-ms 500 --election-max-ms 1000"
+        /// to keep a heavily loaded machine from electing new leaders mid-run).
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        replica_args: String,
     },
     /// One scheduling pass, in process, on synthetic fleets (no replicas started).
     Scheduler {
@@ -156,7 +168,9 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports = free_ports(3)?;
     let mut cluster = LocalCluster::new(&exe, &["replica"], &dir, "bench", &ports);
-    if let BenchCommand::Failover { replica_args, .. } = &command {
+    if let BenchCommand::Failover { replica_args, .. } | BenchCommand::Submit { replica_args, .. } =
+        &command
+    {
         cluster.extra_args = replica_args.split_whitespace().map(str::to_owned).collect();
     }
     cluster.start_all()?;
@@ -192,8 +206,19 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
                 let (text, json) = super::bench_placement::run(&cluster, args).await?;
                 Ok(Report { text, json })
             }
-            BenchCommand::Submit { clients, seconds } => {
-                submit(&cluster, &clients, Duration::from_secs(seconds)).await
+            BenchCommand::Submit {
+                rates,
+                via,
+                seconds,
+                ..
+            } => {
+                let args = super::bench_submit::Args {
+                    rates,
+                    vias: via,
+                    duration: Duration::from_secs(seconds),
+                };
+                let (text, json) = super::bench_submit::run(&cluster, args).await?;
+                Ok(Report { text, json })
             }
             BenchCommand::Scheduler { .. } | BenchCommand::Memory { .. } => {
                 unreachable!("runs in process, above")
@@ -247,72 +272,3 @@ pub(super) fn submit_request(i: u64, key_prefix: &str) -> pb::SubmitJobRequest {
     }
 }
 
-async fn submit(
-    cluster: &LocalCluster,
-    client_counts: &[usize],
-    duration: Duration,
-) -> anyhow::Result<Report> {
-    let mut rows = Vec::new();
-    let mut results = Vec::new();
-    for (run, &clients) in client_counts.iter().enumerate() {
-        if clients == 0 {
-            bail!("--clients must be at least 1");
-        }
-        let start = Instant::now();
-        let mut tasks = Vec::new();
-        for c in 0..clients {
-            let mut client = cluster.client()?;
-            // Spread clients over replicas, as real users would be.
-            for _ in 0..c % 3 {
-                client
-                    .call(|mut c, t| async move {
-                        c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
-                            .await
-                    })
-                    .await
-                    .ok();
-            }
-            let prefix = format!("run{run}-client{c}");
-            tasks.push(tokio::spawn(async move {
-                let mut latencies = Vec::new();
-                let mut i = 0u64;
-                while start.elapsed() < duration {
-                    i += 1;
-                    let req = submit_request(i, &prefix);
-                    let t = Instant::now();
-                    client
-                        .call(|mut c, to| {
-                            let r = req.clone();
-                            async move { c.submit_job(with_timeout(r, to)).await }
-                        })
-                        .await?;
-                    latencies.push(t.elapsed().as_secs_f64() * 1000.0);
-                }
-                Ok::<_, tonic::Status>(latencies)
-            }));
-        }
-        let mut latencies = Vec::new();
-        for t in tasks {
-            latencies.extend(t.await??);
-        }
-        let elapsed = start.elapsed().as_secs_f64();
-        let per_sec = latencies.len() as f64 / elapsed;
-        let lat = summary(latencies.clone());
-        rows.push(vec![
-            clients.to_string(),
-            latencies.len().to_string(),
-            format!("{per_sec:.0}"),
-            format!("{:.1}", lat["p50"].as_f64().unwrap_or(f64::NAN)),
-            format!("{:.1}", lat["p99"].as_f64().unwrap_or(f64::NAN)),
-        ]);
-        results.push(json!({"clients": clients, "committed": latencies.len(), "per_sec": per_sec, "latency_ms": lat}));
-    }
-    let text = table(
-        &["CLIENTS", "COMMITTED", "PER_SEC", "P50_MS", "P99_MS"],
-        &rows,
-    );
-    Ok(Report {
-        text: format!("committed submissions through 3 replicas (durable, loopback)\n{text}"),
-        json: json!({"benchmark": "submit", "runs": results}),
-    })
-}

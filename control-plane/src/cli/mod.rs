@@ -9,6 +9,7 @@ mod bench_failover;
 mod bench_hosts;
 mod bench_placement;
 mod bench_scheduler;
+mod bench_submit;
 mod dev;
 mod node;
 pub mod output;

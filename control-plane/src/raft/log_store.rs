@@ -99,11 +99,22 @@ impl LogStore {
     }
 
     async fn flush(&self) -> Result<(), StorageError> {
-        self.db
-            .flush_async()
+        self.flush_db()
             .await
             .map_err(|e| StorageIOError::write_logs(&e))?;
         Ok(())
+    }
+
+    /// `sled::Db::flush` (write and sync everything written so far) on tokio's blocking pool.
+    /// Not sled's `flush_async`: that hands the same call to sled's own thread pool, whose queue
+    /// wakes every idle pool thread (`notify_all`) for each job, and the leader flushes once per
+    /// client write, so on a busy machine those wake-ups cost CPU and latency on every write.
+    async fn flush_db(&self) -> Result<(), std::io::Error> {
+        let db = self.db.clone();
+        match tokio::task::spawn_blocking(move || db.flush()).await {
+            Ok(flushed) => flushed.map(|_| ()).map_err(std::io::Error::other),
+            Err(e) => Err(std::io::Error::other(format!("the flush task failed: {e}"))),
+        }
     }
 
     fn remove_range(&self, from: u64, to_inclusive: Option<u64>) -> Result<(), StorageError> {
@@ -176,8 +187,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
         self.put_meta(VOTE, vote)
             .map_err(|e| StorageIOError::write_vote(&e))?;
-        self.db
-            .flush_async()
+        self.flush_db()
             .await
             .map_err(|e| StorageIOError::write_vote(&e))?;
         Ok(())

@@ -1,0 +1,50 @@
+//! Smoke run of `gpuctl bench submit` (the open-loop submission latency benchmark), so the
+//! benchmark keeps working: a short, low-rate run through a follower and through the leader of
+//! a real three-replica cluster, asserting that every scheduled request was committed.
+
+use std::process::Command;
+
+#[test]
+fn bench_submit_smoke_commits_every_request_via_follower_and_leader() {
+    let output = Command::new(env!("CARGO_BIN_EXE_gpuctl"))
+        .args([
+            "bench",
+            "submit",
+            "--rates",
+            "50",
+            "--seconds",
+            "2",
+            "--via",
+            "follower,leader",
+            "-o",
+            "json",
+        ])
+        .output()
+        .expect("running gpuctl bench submit");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "gpuctl bench submit failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    let last = stdout.lines().last().expect("no output");
+    let report: serde_json::Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"));
+    assert_eq!(report["benchmark"], "submit");
+    let runs = report["runs"].as_array().expect("runs is an array");
+    let vias: Vec<&str> = runs.iter().map(|r| r["via"].as_str().unwrap()).collect();
+    assert_eq!(vias, ["follower", "leader"], "{report}");
+    for run in runs {
+        assert_eq!(run["offered_per_sec"], 50, "{run}");
+        assert_eq!(run["requests"], 100, "50/s for 2 s is 100 requests: {run}");
+        assert_eq!(run["committed"], 100, "every request committed: {run}");
+        assert_eq!(run["errors"], 0, "{run}");
+        let p99 = run["latency_ms"]["p99"].as_f64().expect("p99 is a number");
+        assert!(p99 > 0.0 && p99 < 10_000.0, "implausible p99 {p99}: {run}");
+        assert!(run["achieved_per_sec"].as_f64().unwrap() > 0.0, "{run}");
+    }
+    // The follower run really went through a follower.
+    assert_ne!(runs[0]["replica"], runs[0]["leader"], "{report}");
+    assert_eq!(runs[1]["replica"], runs[1]["leader"], "{report}");
+}

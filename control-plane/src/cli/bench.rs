@@ -53,9 +53,38 @@ pub enum BenchCommand {
         #[arg(long, default_value = "empty,half,full", value_delimiter = ',')]
         fleets: Vec<String>,
     },
+    /// End to end, ours and Slurm's side by side: jobs of `sleep 0` on one GPU each, from
+    /// release to all completed, on simulated hosts running real agents (Slurm: real slurmds).
+    E2e {
+        #[arg(long, default_value_t = 4)]
+        hosts: usize,
+        /// 1, 4 or 8 (the simulated host presets).
+        #[arg(long, default_value_t = 8)]
+        gpus_per_host: usize,
+        #[arg(long, default_value_t = 2000)]
+        jobs: usize,
+        /// Run our side only (Slurm is neither installed nor started).
+        #[arg(long)]
+        skip_slurm: bool,
+    },
 }
 
 pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
+    if let BenchCommand::E2e {
+        hosts,
+        gpus_per_host,
+        jobs,
+        skip_slurm,
+    } = command
+    {
+        let args = super::bench_e2e::Args {
+            hosts,
+            gpus_per_host,
+            jobs,
+            skip_slurm,
+        };
+        return super::bench_e2e::run(args, keep_data, fmt);
+    }
     if let BenchCommand::Scheduler {
         hosts,
         jobs,
@@ -94,7 +123,9 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             BenchCommand::Submit { clients, seconds } => {
                 submit(&cluster, &clients, Duration::from_secs(seconds)).await
             }
-            BenchCommand::Scheduler { .. } => unreachable!("runs in process, above"),
+            BenchCommand::Scheduler { .. } | BenchCommand::E2e { .. } => {
+                unreachable!("runs on its own, above")
+            }
         }
     })?;
     match fmt {

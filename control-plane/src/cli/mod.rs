@@ -4,7 +4,9 @@
 //! `Client`, print the answer.
 
 mod bench;
+mod bench_e2e;
 mod bench_scheduler;
+mod bench_slurm;
 mod dev;
 mod node;
 pub mod output;

@@ -107,7 +107,10 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
         Format::Table => print!("{text}"),
     }
     // The smoke run in CI relies on this: every job of each side must have succeeded.
-    for (side, r) in [("gpu-control-plane", Some(&ours)), ("Slurm", slurm.as_ref())] {
+    for (side, r) in [
+        ("gpu-control-plane", Some(&ours)),
+        ("Slurm", slurm.as_ref()),
+    ] {
         if let Some(r) = r
             && (r.succeeded != args.jobs || !r.other.is_empty())
         {
@@ -122,7 +125,11 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
     Ok(())
 }
 
-fn report(args: &Args, ours: &SideResult, slurm: Option<&SideResult>) -> (String, serde_json::Value) {
+fn report(
+    args: &Args,
+    ours: &SideResult,
+    slurm: Option<&SideResult>,
+) -> (String, serde_json::Value) {
     let mut rows = vec![vec![
         "gpu-control-plane".to_owned(),
         ours.succeeded.to_string(),
@@ -142,7 +149,10 @@ fn report(args: &Args, ours: &SideResult, slurm: Option<&SideResult>) -> (String
         "{} hosts x {} GPUs, {} jobs of `sleep 0` on one GPU each, from release to all completed\n",
         args.hosts, args.gpus_per_host, args.jobs
     );
-    text.push_str(&table(&["SYSTEM", "COMPLETED", "SECONDS", "JOBS_PER_SEC"], &rows));
+    text.push_str(&table(
+        &["SYSTEM", "COMPLETED", "SECONDS", "JOBS_PER_SEC"],
+        &rows,
+    ));
     if let Some(r) = ratio {
         text.push_str(&format!("ratio (ours / Slurm's jobs/s): {r:.1}x\n"));
     }
@@ -189,7 +199,12 @@ fn run_ours(args: &Args, preset: &str, keep_data: Option<PathBuf>) -> anyhow::Re
         let mut client = cluster.client()?;
         wait_nodes_ready(&mut client, &names, args.gpus_per_host)
             .await
-            .with_context(|| format!("the simulated hosts did not register; see the agent logs in {}", dir.display()))?;
+            .with_context(|| {
+                format!(
+                    "the simulated hosts did not register; see the agent logs in {}",
+                    dir.display()
+                )
+            })?;
         // Hold: no node takes work while the jobs are submitted.
         for name in &names {
             let req = pb::DrainNodeRequest {
@@ -227,20 +242,26 @@ fn run_ours(args: &Args, preset: &str, keep_data: Option<PathBuf>) -> anyhow::Re
         for r in futures::future::join_all(undrains).await {
             r?;
         }
-        watch.until_all_final(t0 + RUN_TIMEOUT).await.with_context(|| {
-            format!("see the replica and agent logs in {}", dir.display())
-        })?;
+        watch
+            .until_all_final(t0 + RUN_TIMEOUT)
+            .await
+            .with_context(|| format!("see the replica and agent logs in {}", dir.display()))?;
         let seconds = t0.elapsed().as_secs_f64();
         Ok(watch.result(seconds))
     })
 }
 
-async fn wait_nodes_ready(client: &mut Client, names: &[String], gpus: usize) -> anyhow::Result<()> {
+async fn wait_nodes_ready(
+    client: &mut Client,
+    names: &[String],
+    gpus: usize,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let nodes = client
             .call(|mut c, t| async move {
-                c.list_nodes(with_timeout(pb::ListNodesRequest::default(), t)).await
+                c.list_nodes(with_timeout(pb::ListNodesRequest::default(), t))
+                    .await
             })
             .await?
             .nodes;

@@ -73,7 +73,9 @@ pub fn run(shape: &Shape) -> anyhow::Result<SideResult> {
     daemons.start_munge(&dir)?;
     daemons.start(
         "slurmctld",
-        Command::new("slurmctld").args(["-D", "-i", "-f"]).arg(&conf),
+        Command::new("slurmctld")
+            .args(["-D", "-i", "-f"])
+            .arg(&conf),
         &dir,
         &conf,
     )?;
@@ -117,7 +119,15 @@ pub fn run(shape: &Shape) -> anyhow::Result<SideResult> {
 
 /// Installs `slurm-wlm` and `munge` from the distribution when a program is missing.
 fn ensure_installed() -> anyhow::Result<()> {
-    let needed = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged", "munge"];
+    let needed = [
+        "slurmctld",
+        "slurmd",
+        "sbatch",
+        "squeue",
+        "scontrol",
+        "munged",
+        "munge",
+    ];
     if needed.iter().all(|p| find_program(p).is_some()) {
         return Ok(());
     }
@@ -130,7 +140,13 @@ fn ensure_installed() -> anyhow::Result<()> {
     eprintln!("Slurm: installing slurm-wlm and munge with apt-get...");
     let install = || {
         Command::new("apt-get")
-            .args(["install", "-y", "--no-install-recommends", "slurm-wlm", "munge"])
+            .args([
+                "install",
+                "-y",
+                "--no-install-recommends",
+                "slurm-wlm",
+                "munge",
+            ])
             .env("DEBIAN_FRONTEND", "noninteractive")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -240,7 +256,13 @@ fn stop_leftovers() {
         let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
         let program = args
             .first()
-            .map(|a| String::from_utf8_lossy(a).rsplit('/').next().unwrap_or("").to_owned())
+            .map(|a| {
+                String::from_utf8_lossy(a)
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or("")
+                    .to_owned()
+            })
             .unwrap_or_default();
         let ours = args.iter().any(|a| a.ends_with(CONF_NAME.as_bytes()));
         if ours && (program == "slurmctld" || program == "slurmd") {
@@ -286,8 +308,12 @@ impl Daemons {
         }
         let key = Path::new("/etc/munge/munge.key");
         if !key.exists() {
-            run_ok(Command::new("mungekey").args(["--create", "--keyfile"]).arg(key))
-                .context("creating the munge key")?;
+            run_ok(
+                Command::new("mungekey")
+                    .args(["--create", "--keyfile"])
+                    .arg(key),
+            )
+            .context("creating the munge key")?;
             run_ok(Command::new("chown").args(["munge:munge"]).arg(key))?;
         }
         fs::create_dir_all("/run/munge").context("creating /run/munge")?;
@@ -295,7 +321,14 @@ impl Daemons {
         // munged refuses to run as root; --force replaces a stale socket of a dead munged.
         self.start(
             "munged",
-            Command::new("runuser").args(["-u", "munge", "--", "munged", "--foreground", "--force"]),
+            Command::new("runuser").args([
+                "-u",
+                "munge",
+                "--",
+                "munged",
+                "--foreground",
+                "--force",
+            ]),
             dir,
             Path::new("/dev/null"),
         )?;
@@ -393,7 +426,8 @@ struct Slurm {
 impl Slurm {
     fn command(&self, program: &str) -> Command {
         let mut c = Command::new(program);
-        c.env("SLURM_CONF", &self.conf).current_dir(self.dir.join("jobs"));
+        c.env("SLURM_CONF", &self.conf)
+            .current_dir(self.dir.join("jobs"));
         c
     }
 
@@ -472,7 +506,10 @@ impl Slurm {
     ) -> anyhow::Result<(usize, Vec<(String, String)>)> {
         let wanted: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
         loop {
-            let out = run_ok(self.command("squeue").args(["-h", "-t", "all", "-o", "%i %T"]))?;
+            let out = run_ok(
+                self.command("squeue")
+                    .args(["-h", "-t", "all", "-o", "%i %T"]),
+            )?;
             let states: Vec<(&str, &str)> = out
                 .lines()
                 .filter_map(|l| l.split_once(' '))
@@ -504,9 +541,20 @@ impl Slurm {
 fn is_final(state: &str) -> bool {
     !matches!(
         state,
-        "PENDING" | "RUNNING" | "CONFIGURING" | "COMPLETING" | "SUSPENDED" | "REQUEUED" | "RESIZING"
-            | "SIGNALING" | "STAGE_OUT" | "STOPPED" | "REQUEUE_HOLD" | "REQUEUE_FED"
-            | "RESV_DEL_HOLD" | "SPECIAL_EXIT"
+        "PENDING"
+            | "RUNNING"
+            | "CONFIGURING"
+            | "COMPLETING"
+            | "SUSPENDED"
+            | "REQUEUED"
+            | "RESIZING"
+            | "SIGNALING"
+            | "STAGE_OUT"
+            | "STOPPED"
+            | "REQUEUE_HOLD"
+            | "REQUEUE_FED"
+            | "RESV_DEL_HOLD"
+            | "SPECIAL_EXIT"
     )
 }
 

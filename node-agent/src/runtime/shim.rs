@@ -289,7 +289,10 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
     };
     // Without a lease file, block in wait(); with one, poll so the lease can be checked,
     // waking as soon as the command exits (not only every LEASE_POLL).
-    let exit_fd = args.lease_file.as_ref().and_then(|_| pidfd_open(child.id()));
+    let exit_fd = args
+        .lease_file
+        .as_ref()
+        .and_then(|_| pidfd_open(child.id()));
     let mut fenced_at: Option<std::time::Instant> = None;
     let mut killed = false;
     loop {

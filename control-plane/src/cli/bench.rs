@@ -6,6 +6,9 @@
 //!   catches up between rounds), reported as p50/p99/max.
 //! - `submit`: committed submissions per second and their latency with `--clients` concurrent
 //!   clients, each waiting for its write to commit before sending the next.
+//! - `scheduler`: one scheduling pass, in process (`bench_scheduler`).
+//! - `e2e`: end-to-end jobs per second on simulated hosts running real agents, side by side
+//!   with Slurm (`bench_e2e`, `bench_slurm`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -8,6 +8,9 @@
 //!   jobs on a fleet of simulated hosts (`bench_hosts`).
 //! - `submit`: submission latency at fixed offered rates, open loop, through a follower and
 //!   through the leader (`bench_submit`).
+//! - `scheduler`: one scheduling pass, in process (`bench_scheduler`).
+//! - `e2e`: end-to-end jobs per second on simulated hosts running real agents, side by side
+//!   with Slurm (`bench_e2e`, `bench_slurm`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -118,9 +121,38 @@ pub enum BenchCommand {
         #[arg(long, hide = true)]
         no_compaction: bool,
     },
+    /// End to end, ours and Slurm's side by side: jobs of `sleep 0` on one GPU each, from
+    /// release to all completed, on simulated hosts running real agents (Slurm: real slurmds).
+    E2e {
+        #[arg(long, default_value_t = 4)]
+        hosts: usize,
+        /// 1, 4 or 8 (the simulated host presets).
+        #[arg(long, default_value_t = 8)]
+        gpus_per_host: usize,
+        #[arg(long, default_value_t = 2000)]
+        jobs: usize,
+        /// Run our side only (Slurm is neither installed nor started).
+        #[arg(long)]
+        skip_slurm: bool,
+    },
 }
 
 pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
+    if let BenchCommand::E2e {
+        hosts,
+        gpus_per_host,
+        jobs,
+        skip_slurm,
+    } = command
+    {
+        let args = super::bench_e2e::Args {
+            hosts,
+            gpus_per_host,
+            jobs,
+            skip_slurm,
+        };
+        return super::bench_e2e::run(args, keep_data, fmt);
+    }
     if let BenchCommand::Scheduler {
         hosts,
         jobs,
@@ -220,7 +252,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
                 let (text, json) = super::bench_submit::run(&cluster, args).await?;
                 Ok(Report { text, json })
             }
-            BenchCommand::Scheduler { .. } | BenchCommand::Memory { .. } => {
+            BenchCommand::Scheduler { .. } | BenchCommand::Memory { .. } | BenchCommand::E2e { .. } => {
                 unreachable!("runs in process, above")
             }
         }

@@ -4,11 +4,13 @@
 //! `Client`, print the answer.
 
 mod bench;
-mod bench_memory;
+mod bench_e2e;
 mod bench_failover;
 mod bench_hosts;
+mod bench_memory;
 mod bench_placement;
 mod bench_scheduler;
+mod bench_slurm;
 mod bench_submit;
 mod dev;
 mod node;

@@ -6,10 +6,12 @@
 //! - session: register, then heartbeat every interval; re-register when told the node is
 //!   unknown or was declared lost;
 //! - assignments: find the leader, stream the desired set, reconcile on every set;
-//! - tick (100 ms): poll the runtime (exits, stop escalation, time limits), re-run reconcile
-//!   (a launch waiting for a GPU whose old process is still stopping), check the lease;
+//! - tick (every 100 ms, and at once when a shim exits or a launch was made): poll the
+//!   runtime (exits, stop escalation, time limits), re-run reconcile (a launch waiting for a
+//!   GPU whose old process is still stopping), check the lease;
 //! - reports: send starts and exits in order, retrying; an exit is forgotten only once the
-//!   control plane has acknowledged it, so it is reported exactly once in effect;
+//!   control plane has acknowledged it, so it is reported exactly once in effect. Reports of
+//!   distinct allocations go out together (see `report_loop`);
 //! - GPU events: classify Xids, report health, stop what ran on a failed GPU.
 
 pub mod cli;
@@ -117,6 +119,8 @@ pub struct Agent {
     inventory: HostInventory,
     state: Mutex<State>,
     reports_ready: Notify,
+    /// Asks for a tick now (a launch's start is then reported without waiting for the timer).
+    tick_now: Notify,
     simulated: Option<Arc<SimulatedBackend>>,
 }
 
@@ -262,6 +266,7 @@ impl Agent {
                         Ok(()) => {
                             tracing::info!(allocation = a.allocation_id, job = a.job_id, gpus = ?a.gpus, "launched");
                             st.job_allocations.insert(a.job_id, a.allocation_id);
+                            self.tick_now.notify_one();
                         }
                         // Already started in this or an earlier life of the agent: never twice.
                         Err(crate::runtime::RuntimeError::AlreadyKnown(_)) => {}
@@ -571,6 +576,7 @@ pub async fn run(
             job_allocations: load_job_index(&config.state_dir),
         }),
         reports_ready: Notify::new(),
+        tick_now: Notify::new(),
         simulated,
         config,
     });
@@ -754,8 +760,25 @@ async fn assignment_loop(agent: Arc<Agent>, control: ControlPlane) {
 
 async fn tick_loop(agent: Arc<Agent>) {
     let mut tick = tokio::time::interval(TICK);
+    // Shims are this process's children: SIGCHLD says one has exited, and a short job's exit
+    // is then reported at once rather than up to a tick later. Re-adopted shims (from before
+    // a restart) are not our children; the timer still finds their exits.
+    let mut child_exited =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).ok();
+    if child_exited.is_none() {
+        tracing::warn!("cannot watch SIGCHLD; exits are noticed on the 100 ms tick only");
+    }
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = agent.tick_now.notified() => {}
+            Some(()) = async {
+                match child_exited.as_mut() {
+                    Some(s) => s.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
         let a = agent.clone();
         // The runtime reads /proc and files: keep it off the async workers.
         if tokio::task::spawn_blocking(move || a.tick()).await.is_err() {
@@ -764,64 +787,128 @@ async fn tick_loop(agent: Arc<Agent>) {
     }
 }
 
-async fn report_loop(agent: Arc<Agent>, mut control: ControlPlane) {
-    loop {
-        let next = agent.lock().reports.front().cloned();
-        let Some(report) = next else {
-            agent.reports_ready.notified().await;
-            continue;
-        };
-        let node = agent.config.name.clone();
-        let result = match &report {
-            Report::Allocation(r) => {
-                let req = pa::AllocationReport {
-                    node,
-                    allocation_id: r.allocation_id,
-                    event: r.event as i32,
-                    exit_code: r.exit_code.unwrap_or(0),
-                    has_exit_code: r.exit_code.is_some(),
-                    signal: r.signal,
-                    reason: r.reason.clone(),
-                };
-                control
-                    .call(CALL_TIMEOUT, |mut c| {
-                        let req = req.clone();
-                        async move { c.report_allocation(req).await }
-                    })
-                    .await
-                    .map(|_| ())
+/// Most reports in flight at once.
+const REPORT_BATCH: usize = 64;
+
+/// The reports at the front of the queue that may be in flight together: reports of distinct
+/// allocations (one allocation's own reports stay in order, its start before its exit), up to
+/// the first GPU health report, which goes alone once everything before it is acknowledged, so
+/// that a GPU is cordoned before any later exit frees it.
+fn next_batch(reports: &VecDeque<Report>) -> Vec<Report> {
+    let mut batch = Vec::new();
+    let mut allocations = BTreeSet::new();
+    for report in reports.iter().take(REPORT_BATCH) {
+        match report {
+            Report::Health(_) => {
+                if batch.is_empty() {
+                    batch.push(report.clone());
+                }
+                break;
             }
-            Report::Health(h) => control
+            Report::Allocation(r) => {
+                if !allocations.insert(r.allocation_id) {
+                    break;
+                }
+                batch.push(report.clone());
+            }
+        }
+    }
+    batch
+}
+
+async fn send_report(
+    node: String,
+    report: Report,
+    mut control: ControlPlane,
+) -> (Result<(), tonic::Status>, ControlPlane) {
+    let result = match &report {
+        Report::Allocation(r) => {
+            let req = pa::AllocationReport {
+                node,
+                allocation_id: r.allocation_id,
+                event: r.event as i32,
+                exit_code: r.exit_code.unwrap_or(0),
+                has_exit_code: r.exit_code.is_some(),
+                signal: r.signal,
+                reason: r.reason.clone(),
+            };
+            control
                 .call(CALL_TIMEOUT, |mut c| {
-                    let h = h.clone();
-                    async move { c.report_gpu_health(h).await }
+                    let req = req.clone();
+                    async move { c.report_allocation(req).await }
                 })
                 .await
-                .map(|_| ()),
-        };
-        let done = match result {
-            Ok(()) => true,
-            Err(s) if control::retryable(&s) => {
-                tracing::debug!(code = ?s.code(), message = s.message(), "report failed; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                false
+                .map(|_| ())
+        }
+        Report::Health(h) => control
+            .call(CALL_TIMEOUT, |mut c| {
+                let h = h.clone();
+                async move { c.report_gpu_health(h).await }
+            })
+            .await
+            .map(|_| ()),
+    };
+    (result, control)
+}
+
+/// Sends the queued reports, a batch at a time ([`next_batch`]): each report is one Raft write
+/// on the control plane, and writes in flight together share the leader's log flushes, where
+/// one at a time each would wait for its own.
+async fn report_loop(agent: Arc<Agent>, mut control: ControlPlane) {
+    loop {
+        let batch = next_batch(&agent.lock().reports);
+        if batch.is_empty() {
+            agent.reports_ready.notified().await;
+            continue;
+        }
+        let mut sends = tokio::task::JoinSet::new();
+        for (i, report) in batch.iter().enumerate() {
+            let send = send_report(agent.config.name.clone(), report.clone(), control.clone());
+            sends.spawn(async move { (i, send.await) });
+        }
+        let mut done = vec![false; batch.len()];
+        let mut retry = false;
+        while let Some(joined) = sends.join_next().await {
+            let Ok((i, (result, used))) = joined else {
+                retry = true; // A send panicked: its report stays queued.
+                continue;
+            };
+            match result {
+                Ok(()) => {
+                    done[i] = true;
+                    control = used;
+                }
+                Err(s) if control::retryable(&s) => {
+                    tracing::debug!(code = ?s.code(), message = s.message(), "report failed; retrying");
+                    retry = true;
+                }
+                // Refused for good (e.g. the allocation belongs to another node): retrying
+                // would block every later report behind it.
+                Err(s) => {
+                    let report = &batch[i];
+                    tracing::error!(?report, code = ?s.code(), message = s.message(), "the control plane refused a report; dropping it");
+                    done[i] = true;
+                }
             }
-            // Refused for good (e.g. the allocation belongs to another node): retrying would
-            // block every later report behind it.
-            Err(s) => {
-                tracing::error!(?report, code = ?s.code(), message = s.message(), "the control plane refused a report; dropping it");
-                true
-            }
-        };
-        if done {
+        }
+        {
+            // Only this loop removes reports, so the batch is still the queue's front.
             let mut st = agent.lock();
-            st.reports.pop_front();
-            if let Report::Allocation(r) = &report
-                && r.exit
-                && let Err(e) = st.runtime.forget(r.allocation_id)
-            {
-                tracing::warn!(allocation = r.allocation_id, error = %e, "forgetting a reported exit failed");
+            for (i, report) in batch.iter().enumerate().rev() {
+                if !done[i] {
+                    continue;
+                }
+                st.reports.remove(i);
+                if let Report::Allocation(r) = report
+                    && r.exit
+                    && let Err(e) = st.runtime.forget(r.allocation_id)
+                {
+                    tracing::warn!(allocation = r.allocation_id, error = %e, "forgetting a reported exit failed");
+                }
             }
+        }
+        if retry {
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 }
@@ -864,6 +951,48 @@ mod tests {
             gpu_recovered: false,
             reason: "Xid".to_string(),
         }
+    }
+
+    #[test]
+    fn a_batch_holds_distinct_allocations_and_stops_at_a_health_report() {
+        let started = |id| {
+            Report::Allocation(AllocationReport {
+                allocation_id: id,
+                event: pa::allocation_report::Event::Started,
+                exit_code: None,
+                signal: 0,
+                reason: String::new(),
+                exit: false,
+            })
+        };
+        let exited = |id| {
+            Report::Allocation(AllocationReport::exit(
+                id,
+                pa::allocation_report::Event::Succeeded,
+                "",
+            ))
+        };
+        let health = Report::Health(pa::GpuHealthReport::default());
+        let ids = |batch: Vec<Report>| -> Vec<(u64, bool)> {
+            batch
+                .iter()
+                .map(|r| match r {
+                    Report::Allocation(a) => (a.allocation_id, a.exit),
+                    Report::Health(_) => (0, false),
+                })
+                .collect()
+        };
+        // One allocation's exit waits for its start to be acknowledged.
+        let q = VecDeque::from([started(1), started(2), exited(1), started(3)]);
+        assert_eq!(ids(next_batch(&q)), [(1, false), (2, false)]);
+        // A health report waits for what is before it, then goes alone.
+        let q = VecDeque::from([exited(1), health.clone(), exited(2)]);
+        assert_eq!(ids(next_batch(&q)), [(1, true)]);
+        let q = VecDeque::from([health, exited(2)]);
+        assert_eq!(ids(next_batch(&q)), [(0, false)]);
+        assert!(next_batch(&VecDeque::new()).is_empty());
+        let many: VecDeque<Report> = (0..200).map(started).collect();
+        assert_eq!(next_batch(&many).len(), REPORT_BATCH);
     }
 
     #[test]

@@ -23,6 +23,7 @@
 
 use std::fs::OpenOptions;
 use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -286,7 +287,12 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
             return (ChildStatus::Exited { code }, false);
         }
     };
-    // Without a lease file, block in wait(); with one, poll so the lease can be checked.
+    // Without a lease file, block in wait(); with one, poll so the lease can be checked,
+    // waking as soon as the command exits (not only every LEASE_POLL).
+    let exit_fd = args
+        .lease_file
+        .as_ref()
+        .and_then(|_| pidfd_open(child.id()));
     let mut fenced_at: Option<std::time::Instant> = None;
     let mut killed = false;
     loop {
@@ -326,7 +332,7 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
                         _ => {}
                     }
                 }
-                std::thread::sleep(LEASE_POLL);
+                wait_for_exit(exit_fd.as_ref(), LEASE_POLL);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
@@ -340,6 +346,32 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
 
 /// How often a shim with a lease file checks the lease and its command.
 const LEASE_POLL: Duration = Duration::from_millis(100);
+
+/// A pidfd of process `pid` (our child), readable once it has exited; `None` where the
+/// kernel has none (before Linux 5.3). Close-on-exec, so no later child inherits it.
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a non-negative result is a descriptor we own and nothing else closes.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Sleeps until the command exits or `timeout` passes, whichever is first, so that a short
+/// job's exit is recorded at once rather than up to a whole poll interval later.
+fn wait_for_exit(exit_fd: Option<&OwnedFd>, timeout: Duration) {
+    let Some(fd) = exit_fd else {
+        std::thread::sleep(timeout);
+        return;
+    };
+    let mut pollfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // An interrupted or failed poll returns early: the caller checks the child and polls again.
+    // SAFETY: one valid pollfd, for the duration of the call.
+    unsafe { libc::poll(&mut pollfd, 1, timeout.as_millis() as libc::c_int) };
+}
 
 fn shielded_set() -> libc::sigset_t {
     // SAFETY: sigemptyset initialises the set before sigaddset reads it; both only write

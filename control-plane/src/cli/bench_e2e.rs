@@ -1,0 +1,406 @@
+//! `gpuctl bench e2e`: end-to-end jobs per second, ours and Slurm's, side by side in one run.
+//!
+//! The same shape on both: `--hosts` hosts of `--gpus-per-host` GPUs, `--jobs` jobs that each
+//! run `sleep 0` on one GPU, timed from release to all completed.
+//!
+//! Ours: three replica processes (durable storage on loopback) and one real agent process per
+//! simulated host (`gpuctl agent --simulated PRESET`, the node agent's code, launching every
+//! job through its shim). The system has no per-job hold, so the jobs are held the way an
+//! operator holds a cluster's work: every node is drained while the jobs are submitted, and
+//! the clock starts when the nodes are undrained (the undrain writes are inside the timing).
+//! Completion is observed through the API (a `WatchJobs` stream on the leader).
+//!
+//! Slurm's: see `bench_slurm` (`sbatch --hold`, then `scontrol release`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use proto::v1 as pb;
+use serde_json::json;
+
+use super::bench_slurm;
+use super::output::{Format, table};
+use crate::client::{Client, with_timeout};
+use crate::local_cluster::{LocalCluster, free_ports};
+
+pub struct Args {
+    pub hosts: usize,
+    pub gpus_per_host: usize,
+    pub jobs: usize,
+    pub skip_slurm: bool,
+}
+
+/// Tenant of the benchmark's jobs (no limit is set for it).
+const TENANT: &str = "bench-e2e";
+/// Concurrent submitters while the jobs are held (submission is not timed).
+const SUBMITTERS: usize = 32;
+/// Longest wait for the jobs of one side to complete once released.
+const RUN_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// What one side measured.
+pub struct SideResult {
+    pub seconds: f64,
+    pub succeeded: usize,
+    /// Jobs that ended otherwise (failed, cancelled, ...), with their final state.
+    pub other: Vec<(String, String)>,
+}
+
+impl SideResult {
+    pub fn jobs_per_sec(&self) -> f64 {
+        self.succeeded as f64 / self.seconds
+    }
+}
+
+/// A simulated host preset with `gpus` GPUs.
+fn preset_for(gpus: usize) -> anyhow::Result<&'static str> {
+    Ok(match gpus {
+        8 => "dgx-h100",
+        4 => "a100-pcie-4gpu-nvlink-pairs",
+        1 => "h100-pcie-1gpu",
+        n => bail!(
+            "--gpus-per-host {n}: simulated hosts come in presets of 1, 4 or 8 GPUs; pick one of those"
+        ),
+    })
+}
+
+pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
+    if args.hosts == 0 || args.jobs == 0 {
+        bail!("--hosts and --jobs must be at least 1");
+    }
+    let preset = preset_for(args.gpus_per_host)?;
+    eprintln!(
+        "gpu-control-plane: {} hosts × {} GPUs ({preset}), {} jobs of `sleep 0`...",
+        args.hosts, args.gpus_per_host, args.jobs
+    );
+    let ours = run_ours(&args, preset, keep_data.clone())
+        .context("the gpu-control-plane side of the benchmark failed")?;
+    eprintln!(
+        "gpu-control-plane: {} jobs in {:.2} s ({:.0} jobs/s)",
+        ours.succeeded,
+        ours.seconds,
+        ours.jobs_per_sec()
+    );
+    let slurm = if args.skip_slurm {
+        None
+    } else {
+        eprintln!("Slurm: same shape...");
+        let r = bench_slurm::run(&bench_slurm::Shape {
+            hosts: args.hosts,
+            gpus_per_host: args.gpus_per_host,
+            jobs: args.jobs,
+            keep_dir: keep_data.map(|d| d.join("slurm")),
+        })
+        .context("the Slurm side of the benchmark failed (use --skip-slurm to run ours alone)")?;
+        eprintln!(
+            "Slurm: {} jobs in {:.2} s ({:.1} jobs/s)",
+            r.succeeded,
+            r.seconds,
+            r.jobs_per_sec()
+        );
+        Some(r)
+    };
+    let (text, json) = report(&args, &ours, slurm.as_ref());
+    match fmt {
+        Format::Json => println!("{json}"),
+        Format::Table => print!("{text}"),
+    }
+    // The smoke run in CI relies on this: every job of each side must have succeeded.
+    for (side, r) in [
+        ("gpu-control-plane", Some(&ours)),
+        ("Slurm", slurm.as_ref()),
+    ] {
+        if let Some(r) = r
+            && (r.succeeded != args.jobs || !r.other.is_empty())
+        {
+            bail!(
+                "{side}: {} of {} jobs succeeded; others: {:?}",
+                r.succeeded,
+                args.jobs,
+                &r.other[..r.other.len().min(10)]
+            );
+        }
+    }
+    Ok(())
+}
+
+fn report(
+    args: &Args,
+    ours: &SideResult,
+    slurm: Option<&SideResult>,
+) -> (String, serde_json::Value) {
+    let mut rows = vec![vec![
+        "gpu-control-plane".to_owned(),
+        ours.succeeded.to_string(),
+        format!("{:.2}", ours.seconds),
+        format!("{:.1}", ours.jobs_per_sec()),
+    ]];
+    if let Some(s) = slurm {
+        rows.push(vec![
+            "slurm (tuned)".to_owned(),
+            s.succeeded.to_string(),
+            format!("{:.2}", s.seconds),
+            format!("{:.1}", s.jobs_per_sec()),
+        ]);
+    }
+    let ratio = slurm.map(|s| ours.jobs_per_sec() / s.jobs_per_sec());
+    let mut text = format!(
+        "{} hosts x {} GPUs, {} jobs of `sleep 0` on one GPU each, from release to all completed\n",
+        args.hosts, args.gpus_per_host, args.jobs
+    );
+    text.push_str(&table(
+        &["SYSTEM", "COMPLETED", "SECONDS", "JOBS_PER_SEC"],
+        &rows,
+    ));
+    if let Some(r) = ratio {
+        text.push_str(&format!("ratio (ours / Slurm's jobs/s): {r:.1}x\n"));
+    }
+    let json = json!({
+        "benchmark": "e2e",
+        "hosts": args.hosts,
+        "gpus_per_host": args.gpus_per_host,
+        "jobs": args.jobs,
+        "gpucp_seconds": ours.seconds,
+        "gpucp_completed": ours.succeeded,
+        "gpucp_jobs_per_sec": ours.jobs_per_sec(),
+        "slurm_seconds": slurm.map(|s| s.seconds),
+        "slurm_completed": slurm.map(|s| s.succeeded),
+        "slurm_jobs_per_sec": slurm.map(|s| s.jobs_per_sec()),
+        "slurm_scheduler_parameters": slurm.map(|_| bench_slurm::SCHEDULER_PARAMETERS),
+        "ratio": ratio,
+        "hold": "nodes drained during submission, undrained at release",
+    });
+    (text, json)
+}
+
+fn run_ours(args: &Args, preset: &str, keep_data: Option<PathBuf>) -> anyhow::Result<SideResult> {
+    let tmp = tempfile::Builder::new()
+        .prefix("gpucp-bench-e2e-")
+        .tempdir()?;
+    let dir = keep_data.unwrap_or_else(|| tmp.path().to_owned());
+    let exe = std::env::current_exe().context("finding gpuctl's own path")?;
+    let ports = free_ports(3 + args.hosts)?;
+    let mut cluster = LocalCluster::new(&exe, &["replica"], &dir, "bench-e2e", &ports[..3]);
+    cluster.agent_program = Some((exe.clone(), vec!["agent".into()]));
+    let names: Vec<String> = (1..=args.hosts).map(|i| format!("host-{i}")).collect();
+    for (name, port) in names.iter().zip(&ports[3..]) {
+        cluster.add_agent(name, preset, *port, &["--stop-grace-secs", "10"]);
+    }
+    cluster.start_all()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let status = cluster.wait_for_leader(Duration::from_secs(30)).await?;
+        for name in &names {
+            cluster.start_agent(name)?;
+        }
+        let mut client = cluster.client()?;
+        wait_nodes_ready(&mut client, &names, args.gpus_per_host)
+            .await
+            .with_context(|| {
+                format!(
+                    "the simulated hosts did not register; see the agent logs in {}",
+                    dir.display()
+                )
+            })?;
+        // Hold: no node takes work while the jobs are submitted.
+        for name in &names {
+            let req = pb::DrainNodeRequest {
+                node: name.clone(),
+                evict: false,
+                reason: "bench e2e: holding the jobs until release".into(),
+            };
+            client
+                .call(|mut c, t| {
+                    let r = req.clone();
+                    async move { c.drain_node(with_timeout(r, t)).await }
+                })
+                .await
+                .with_context(|| format!("draining {name}"))?;
+        }
+        submit_all(&cluster, args.jobs).await?;
+        // Watch from the leader (it applies a commit first), starting with the current jobs.
+        let mut watch = JobWatch::new(cluster.addr(status.leader), args.jobs);
+        watch.connect().await?;
+
+        let t0 = Instant::now();
+        let undrains = names.iter().map(|name| {
+            let mut client = client.clone();
+            let req = pb::UndrainNodeRequest { node: name.clone() };
+            async move {
+                client
+                    .call(|mut c, t| {
+                        let r = req.clone();
+                        async move { c.undrain_node(with_timeout(r, t)).await }
+                    })
+                    .await
+                    .with_context(|| format!("undraining {}", req.node))
+            }
+        });
+        for r in futures::future::join_all(undrains).await {
+            r?;
+        }
+        watch
+            .until_all_final(t0 + RUN_TIMEOUT)
+            .await
+            .with_context(|| format!("see the replica and agent logs in {}", dir.display()))?;
+        let seconds = t0.elapsed().as_secs_f64();
+        Ok(watch.result(seconds))
+    })
+}
+
+async fn wait_nodes_ready(
+    client: &mut Client,
+    names: &[String],
+    gpus: usize,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let nodes = client
+            .call(|mut c, t| async move {
+                c.list_nodes(with_timeout(pb::ListNodesRequest::default(), t))
+                    .await
+            })
+            .await?
+            .nodes;
+        let ready = names.iter().all(|n| {
+            nodes
+                .iter()
+                .any(|x| &x.name == n && x.status == "ready" && x.gpus.len() == gpus)
+        });
+        if ready {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            let seen: Vec<(&str, &str)> = nodes
+                .iter()
+                .map(|n| (n.name.as_str(), n.status.as_str()))
+                .collect();
+            bail!("nodes {names:?} not all ready within 30 s; the control plane has {seen:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn submit_all(cluster: &LocalCluster, jobs: usize) -> anyhow::Result<()> {
+    let mut tasks = Vec::new();
+    for w in 0..SUBMITTERS.min(jobs) {
+        let mut client = cluster.client()?;
+        tasks.push(tokio::spawn(async move {
+            for i in (w..jobs).step_by(SUBMITTERS) {
+                let req = pb::SubmitJobRequest {
+                    spec: Some(pb::JobSpec {
+                        tenant: TENANT.into(),
+                        name: format!("e2e-{i}"),
+                        command: vec!["sleep".into(), "0".into()],
+                        gpus_per_task: 1,
+                        tasks: 1,
+                        priority_class: "normal".into(),
+                        ..Default::default()
+                    }),
+                    idempotency_key: format!("e2e-{i}"),
+                };
+                client
+                    .call(|mut c, t| {
+                        let r = req.clone();
+                        async move { c.submit_job(with_timeout(r, t)).await }
+                    })
+                    .await
+                    .with_context(|| format!("submitting job {i}"))?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// Follows the benchmark's jobs through `WatchJobs` until every one is in a final state.
+struct JobWatch {
+    addr: String,
+    expected: usize,
+    /// Job id → latest state seen.
+    states: HashMap<u64, String>,
+    stream: Option<tonic::Streaming<pb::JobEvent>>,
+}
+
+fn is_final(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled" | "timed_out")
+}
+
+impl JobWatch {
+    fn new(addr: String, expected: usize) -> JobWatch {
+        JobWatch {
+            addr,
+            expected,
+            states: HashMap::new(),
+            stream: None,
+        }
+    }
+
+    /// (Re)opens the stream; its initial listing refreshes every job's state, so a watch that
+    /// fell behind loses nothing by reconnecting.
+    async fn connect(&mut self) -> anyhow::Result<()> {
+        let mut c = Client::new(std::slice::from_ref(&self.addr))?.endpoint_client(0);
+        let stream = c
+            .watch_jobs(pb::WatchJobsRequest {
+                tenant: TENANT.into(),
+                initial: true,
+            })
+            .await
+            .with_context(|| format!("watching jobs on {}", self.addr))?
+            .into_inner();
+        self.stream = Some(stream);
+        Ok(())
+    }
+
+    fn finished(&self) -> usize {
+        self.states.values().filter(|s| is_final(s)).count()
+    }
+
+    async fn until_all_final(&mut self, deadline: Instant) -> anyhow::Result<()> {
+        while self.states.len() < self.expected || self.finished() < self.expected {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!(
+                    "only {} of {} jobs completed within {RUN_TIMEOUT:?}",
+                    self.finished(),
+                    self.expected
+                );
+            }
+            let stream = self.stream.as_mut().context("watch not connected")?;
+            match tokio::time::timeout(left, stream.message()).await {
+                Err(_) => continue,
+                Ok(Ok(Some(ev))) => {
+                    if let Some(job) = ev.job {
+                        self.states.insert(job.id, job.state);
+                    }
+                }
+                Ok(Ok(None)) | Ok(Err(_)) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    self.connect().await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn result(&self, seconds: f64) -> SideResult {
+        let succeeded = self.states.values().filter(|s| *s == "succeeded").count();
+        let other = self
+            .states
+            .iter()
+            .filter(|(_, s)| *s != "succeeded")
+            .map(|(id, s)| (id.to_string(), s.clone()))
+            .collect();
+        SideResult {
+            seconds,
+            succeeded,
+            other,
+        }
+    }
+}

@@ -13,14 +13,13 @@
 //!   with Slurm (`bench_e2e`, `bench_slurm`).
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use proto::v1 as pb;
 use serde_json::json;
 
-use super::output::{Format, table};
-use crate::client::with_timeout;
+use super::output::Format;
 use crate::local_cluster::{LocalCluster, free_ports};
 
 #[derive(clap::Subcommand)]
@@ -217,7 +216,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             } => {
                 let args = super::bench_failover::Args { kills, hosts, rate };
                 let (text, json) = super::bench_failover::run(&mut cluster, args).await?;
-                Ok(Report { text, json })
+                Ok::<_, anyhow::Error>(Report { text, json })
             }
             BenchCommand::Placement {
                 hosts,
@@ -252,7 +251,9 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
                 let (text, json) = super::bench_submit::run(&cluster, args).await?;
                 Ok(Report { text, json })
             }
-            BenchCommand::Scheduler { .. } | BenchCommand::Memory { .. } | BenchCommand::E2e { .. } => {
+            BenchCommand::Scheduler { .. }
+            | BenchCommand::Memory { .. }
+            | BenchCommand::E2e { .. } => {
                 unreachable!("runs in process, above")
             }
         }
@@ -303,4 +304,3 @@ pub(super) fn submit_request(i: u64, key_prefix: &str) -> pb::SubmitJobRequest {
         idempotency_key: format!("{key_prefix}-{i}"),
     }
 }
-

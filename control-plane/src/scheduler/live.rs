@@ -117,4 +117,3 @@ pub fn live_allocations<'s>(
     }
     live
 }
-

@@ -189,7 +189,8 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
                     break;
                 }
                 let started = std::time::Instant::now();
-                let live = live.get_or_insert_with(|| live::live_allocations(state, &placer.fleet, now));
+                let live =
+                    live.get_or_insert_with(|| live::live_allocations(state, &placer.fleet, now));
                 plan.reservation = backfill::reserve(&mut placer, job, &shape, now, &planned, live);
                 stats.reserve_us = started.elapsed().as_micros() as u64;
                 head = Some((job, shape));

@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-
 use serde::Serialize;
 
 use super::fleet::{FastMap, NodeFree, NodeIdx};
@@ -95,10 +94,7 @@ pub fn select(
         let Some(job) = candidate else {
             continue;
         };
-        let since = &mut started
-            .entry(id)
-            .or_insert((job, a.created_at))
-            .1;
+        let since = &mut started.entry(id).or_insert((job, a.created_at)).1;
         *since = (*since).min(a.created_at);
         let Some(node) = a.node else { continue };
         allocs_on[node as usize].push((job, rec));

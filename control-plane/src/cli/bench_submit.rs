@@ -227,9 +227,12 @@ async fn settle(cluster: &LocalCluster) {
 /// One committed submission before the clock starts: connects the client to its replica and,
 /// via a follower, the follower to the leader, so the first timed requests pay no handshakes.
 async fn warm_up(client: &Client, prefix: &str) -> Result<(), tonic::Status> {
-    submit(client.clone(), submit_request(&format!("{prefix}-warm"), 0))
-        .await
-        .map(|_| ())
+    submit(
+        client.clone(),
+        super::bench::submit_request(0, &format!("{prefix}-warm")),
+    )
+    .await
+    .map(|_| ())
 }
 
 /// Issues `rate * duration` submissions on schedule and waits for every reply.
@@ -255,7 +258,7 @@ async fn open_loop(
                 std::thread::sleep(wait);
             }
             let client = client.clone();
-            let request = submit_request(&prefix, i);
+            let request = super::bench::submit_request(i, &prefix);
             tasks.push(runtime.spawn(async move {
                 let send_lag = due.elapsed();
                 let result = submit(client, request)
@@ -297,21 +300,6 @@ async fn submit(
             async move { c.submit_job(with_timeout(r, t)).await }
         })
         .await
-}
-
-fn submit_request(prefix: &str, i: u64) -> pb::SubmitJobRequest {
-    pb::SubmitJobRequest {
-        spec: Some(pb::JobSpec {
-            tenant: "bench".into(),
-            name: format!("bench-{i}"),
-            command: vec!["sleep".into(), "0".into()],
-            gpus_per_task: 1,
-            tasks: 1,
-            priority_class: "normal".into(),
-            ..Default::default()
-        }),
-        idempotency_key: format!("{prefix}-{i}"),
-    }
 }
 
 struct Summary {

@@ -1,0 +1,53 @@
+//! Smoke runs of `gpuctl bench placement` and `gpuctl bench failover` at small sizes, so the
+//! benchmarks never rot: each starts three real replicas and simulated hosts, and the JSON on
+//! the last line of stdout must show the work done, not just a clean exit.
+
+mod common;
+use common::bench_json;
+
+#[test]
+fn placement_places_and_finishes_every_job() {
+    // 20 hosts hold 160 jobs at once: the other 340 need GPUs freed by finished jobs.
+    let j = bench_json(&["placement", "--hosts", "20", "--jobs", "500"]);
+    assert_eq!(j["benchmark"], "placement");
+    assert_eq!(j["jobs"], 500);
+    assert_eq!(j["finish"], true, "{j}");
+    assert_eq!(j["placed"], 500, "{j}");
+    assert_eq!(j["finished"], 500, "{j}");
+    assert!(j["placements_per_sec"].as_f64().unwrap() > 0.0, "{j}");
+    assert!(j["place_entries"].as_u64().unwrap() >= 1, "{j}");
+}
+
+#[test]
+fn placement_without_turnover_needs_no_finishing() {
+    let j = bench_json(&[
+        "placement",
+        "--hosts",
+        "10",
+        "--jobs",
+        "80",
+        "--finish",
+        "no",
+    ]);
+    assert_eq!(j["finish"], false, "{j}");
+    assert_eq!(j["placed"], 80, "{j}");
+    assert_eq!(j["finished"], 0, "{j}");
+    assert!(j["placements_per_sec"].as_f64().unwrap() > 0.0, "{j}");
+}
+
+#[test]
+fn failover_measures_leader_commit_and_placement() {
+    let j = bench_json(&["failover", "--kills", "2", "--hosts", "4", "--rate", "50"]);
+    assert_eq!(j["benchmark"], "failover");
+    assert_eq!(j["kills"], 2);
+    for key in [
+        "to_new_leader_ms",
+        "to_first_commit_ms",
+        "to_first_placement_ms",
+    ] {
+        assert_eq!(j[key]["n"], 2, "{key}: {j}");
+        let p50 = j[key]["p50"].as_f64().unwrap();
+        assert!(p50 > 0.0 && p50 < 30_000.0, "{key}: {j}");
+    }
+    assert!(j["jobs_finished"].as_u64().unwrap() > 0, "{j}");
+}

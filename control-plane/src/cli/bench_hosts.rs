@@ -265,43 +265,12 @@ impl SimulatedFleet {
 /// What a simulated node agent of this inventory would send when it registers.
 fn registration(spec: &NodeSpec, incarnation: &str) -> pa::RegisterNodeRequest {
     pa::RegisterNodeRequest {
-        name: spec.name.clone(),
-        gpus: spec
-            .gpus
-            .iter()
-            .map(|g| pa::GpuInfo {
-                uuid: g.uuid.clone(),
-                index: g.index,
-                model: g.model.clone(),
-                memory_mib: g.memory_mib,
-                pci_bus_id: g.pci_bus_id.clone(),
-                numa_node: g.numa_node.map(|n| n as i32).unwrap_or(-1),
-                mig_enabled: !g.mig.is_empty(),
-                mig_instances: g
-                    .mig
-                    .iter()
-                    .map(|m| pa::MigInstance {
-                        uuid: m.uuid.clone(),
-                        profile: m.profile.clone(),
-                        memory_mib: m.memory_mib,
-                    })
-                    .collect(),
-            })
-            .collect(),
-        topology: spec
-            .topology
-            .iter()
-            .map(|row| pa::LinkRow { links: row.clone() })
-            .collect(),
-        cpu_milli: spec.cpu_milli,
-        memory_mib: spec.memory_mib,
-        partition: spec.partition.clone().unwrap_or_default(),
         labels: Default::default(),
         agent_address: String::new(),
-        driver: spec.driver.clone(),
         // No processes to fence: any value under the control plane's node grace will do.
         fence_grace_ms: 1_000,
         incarnation: incarnation.to_owned(),
+        ..crate::api::convert::registration_from_spec(spec)
     }
 }
 

@@ -489,42 +489,10 @@ impl Agent {
 /// The registration a simulated host of this spec sends.
 fn register_request(spec: &NodeSpec, incarnation: String) -> pa::RegisterNodeRequest {
     pa::RegisterNodeRequest {
-        name: spec.name.clone(),
-        gpus: spec
-            .gpus
-            .iter()
-            .map(|g| pa::GpuInfo {
-                uuid: g.uuid.clone(),
-                index: g.index,
-                model: g.model.clone(),
-                memory_mib: g.memory_mib,
-                pci_bus_id: g.pci_bus_id.clone(),
-                numa_node: g.numa_node.map_or(-1, |n| n as i32),
-                mig_enabled: !g.mig.is_empty(),
-                mig_instances: g
-                    .mig
-                    .iter()
-                    .map(|m| pa::MigInstance {
-                        uuid: m.uuid.clone(),
-                        profile: m.profile.clone(),
-                        memory_mib: m.memory_mib,
-                    })
-                    .collect(),
-            })
-            .collect(),
-        topology: spec
-            .topology
-            .iter()
-            .map(|row| pa::LinkRow { links: row.clone() })
-            .collect(),
-        cpu_milli: spec.cpu_milli,
-        memory_mib: spec.memory_mib,
-        partition: spec.partition.clone().unwrap_or_default(),
-        labels: spec.labels.clone().into_iter().collect(),
         agent_address: format!("sim-host-{}", spec.name),
-        driver: spec.driver.clone(),
         // The simulated host stops processes at once when it fences.
         fence_grace_ms: 0,
         incarnation,
+        ..crate::api::convert::registration_from_spec(spec)
     }
 }

@@ -252,6 +252,51 @@ pub fn partition_to_proto(p: &Partition) -> pb::Partition {
     }
 }
 
+/// The registration an agent whose inventory is `spec` sends (the simulated hosts of the
+/// deterministic simulation and of the benchmarks; real agents build theirs from the GPU
+/// inventory they discovered). Callers set what their host does differently.
+pub fn registration_from_spec(spec: &state::NodeSpec) -> proto::agent::RegisterNodeRequest {
+    use proto::agent as pa;
+    pa::RegisterNodeRequest {
+        name: spec.name.clone(),
+        gpus: spec
+            .gpus
+            .iter()
+            .map(|g| pa::GpuInfo {
+                uuid: g.uuid.clone(),
+                index: g.index,
+                model: g.model.clone(),
+                memory_mib: g.memory_mib,
+                pci_bus_id: g.pci_bus_id.clone(),
+                numa_node: g.numa_node.map_or(-1, |n| n as i32),
+                mig_enabled: !g.mig.is_empty(),
+                mig_instances: g
+                    .mig
+                    .iter()
+                    .map(|m| pa::MigInstance {
+                        uuid: m.uuid.clone(),
+                        profile: m.profile.clone(),
+                        memory_mib: m.memory_mib,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        topology: spec
+            .topology
+            .iter()
+            .map(|row| pa::LinkRow { links: row.clone() })
+            .collect(),
+        cpu_milli: spec.cpu_milli,
+        memory_mib: spec.memory_mib,
+        partition: spec.partition.clone().unwrap_or_default(),
+        labels: spec.labels.clone().into_iter().collect(),
+        agent_address: spec.agent_address.clone(),
+        driver: spec.driver.clone(),
+        fence_grace_ms: 0,
+        incarnation: spec.incarnation.clone(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,50 +341,5 @@ mod tests {
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);
-    }
-}
-
-/// The registration an agent whose inventory is `spec` sends (the simulated hosts of the
-/// deterministic simulation and of the benchmarks; real agents build theirs from the GPU
-/// inventory they discovered). Callers set what their host does differently.
-pub fn registration_from_spec(spec: &state::NodeSpec) -> proto::agent::RegisterNodeRequest {
-    use proto::agent as pa;
-    pa::RegisterNodeRequest {
-        name: spec.name.clone(),
-        gpus: spec
-            .gpus
-            .iter()
-            .map(|g| pa::GpuInfo {
-                uuid: g.uuid.clone(),
-                index: g.index,
-                model: g.model.clone(),
-                memory_mib: g.memory_mib,
-                pci_bus_id: g.pci_bus_id.clone(),
-                numa_node: g.numa_node.map_or(-1, |n| n as i32),
-                mig_enabled: !g.mig.is_empty(),
-                mig_instances: g
-                    .mig
-                    .iter()
-                    .map(|m| pa::MigInstance {
-                        uuid: m.uuid.clone(),
-                        profile: m.profile.clone(),
-                        memory_mib: m.memory_mib,
-                    })
-                    .collect(),
-            })
-            .collect(),
-        topology: spec
-            .topology
-            .iter()
-            .map(|row| pa::LinkRow { links: row.clone() })
-            .collect(),
-        cpu_milli: spec.cpu_milli,
-        memory_mib: spec.memory_mib,
-        partition: spec.partition.clone().unwrap_or_default(),
-        labels: spec.labels.clone().into_iter().collect(),
-        agent_address: spec.agent_address.clone(),
-        driver: spec.driver.clone(),
-        fence_grace_ms: 0,
-        incarnation: spec.incarnation.clone(),
     }
 }

@@ -3,31 +3,19 @@
 //! or forgotten), compaction keeps fewer full records and writes a smaller snapshot, and a
 //! restarted replica loads exactly what was built.
 
-use std::process::Command;
-
-use serde_json::Value;
+mod common;
+use common::bench_json;
 
 #[test]
 fn bench_memory_accounts_for_every_job_and_compaction_shrinks_the_state() {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpuctl"))
-        .args([
-            "bench",
-            "memory",
-            "--hosts",
-            "100",
-            "--jobs",
-            "5000",
-            "--also-uncompacted",
-            "--output",
-            "json",
-        ])
-        .output()
-        .expect("running gpuctl bench memory");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench memory failed: {stderr}");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().expect("no output");
-    let j: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+    let j = bench_json(&[
+        "memory",
+        "--hosts",
+        "100",
+        "--jobs",
+        "5000",
+        "--also-uncompacted",
+    ]);
 
     assert_eq!(j["benchmark"], "memory");
     assert_eq!(j["hosts"], 100);
@@ -39,7 +27,7 @@ fn bench_memory_accounts_for_every_job_and_compaction_shrinks_the_state() {
     assert_eq!(compacted["compaction"], true);
     assert_eq!(uncompacted["compaction"], false);
 
-    let n = |v: &Value, what: &str| {
+    let n = |v: &serde_json::Value, what: &str| {
         v[what]
             .as_u64()
             .unwrap_or_else(|| panic!("{what} missing in {v}"))

@@ -2,35 +2,20 @@
 //! benchmark keeps working: a short, low-rate run through a follower and through the leader of
 //! a real three-replica cluster, asserting that every scheduled request was committed.
 
-use std::process::Command;
+mod common;
+use common::bench_json;
 
 #[test]
 fn bench_submit_smoke_commits_every_request_via_follower_and_leader() {
-    let output = Command::new(env!("CARGO_BIN_EXE_gpuctl"))
-        .args([
-            "bench",
-            "submit",
-            "--rates",
-            "50",
-            "--seconds",
-            "2",
-            "--via",
-            "follower,leader",
-            "-o",
-            "json",
-        ])
-        .output()
-        .expect("running gpuctl bench submit");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "gpuctl bench submit failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        output.status
-    );
-    let last = stdout.lines().last().expect("no output");
-    let report: serde_json::Value = serde_json::from_str(last)
-        .unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"));
+    let report = bench_json(&[
+        "submit",
+        "--rates",
+        "50",
+        "--seconds",
+        "2",
+        "--via",
+        "follower,leader",
+    ]);
     assert_eq!(report["benchmark"], "submit");
     let runs = report["runs"].as_array().expect("runs is an array");
     let vias: Vec<&str> = runs.iter().map(|r| r["via"].as_str().unwrap()).collect();

@@ -18,6 +18,7 @@ pub mod client;
 pub mod config;
 pub mod datadir;
 pub mod dst;
+pub mod group_commit;
 pub mod leader;
 pub mod local_cluster;
 pub mod raft;

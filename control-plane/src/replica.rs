@@ -10,13 +10,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use openraft::error::{ClientWriteError, RaftError};
 use tonic::transport::Channel;
 
+use crate::group_commit::GroupCommit;
 use crate::raft::network::lazy_channel;
 use crate::raft::state_machine::StateMachineStore;
 use crate::raft::{NodeId, Raft};
-use crate::state::{Command, Outcome, Rejection, Request};
+use crate::state::{Command, Outcome, Rejection};
 
 /// Why an API operation did not complete. `NotLeader` is routed to the leader by the API layer.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum ApiError {
     NotLeader { leader: Option<(NodeId, String)> },
     Rejected(Rejection),
@@ -41,6 +42,8 @@ pub struct Replica {
     clock: Clock,
     /// Channels to the leader (by address) for forwarded calls; connections are reused.
     leader_channels: Mutex<HashMap<String, Channel>>,
+    /// Where writes queue to share log entries (started with the replica's clock).
+    group_commit: GroupCommit,
 }
 
 pub fn now_ms() -> u64 {
@@ -48,6 +51,27 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Maps openraft's error for a refused or failed write on replica `id` to the API's error.
+pub(crate) fn client_write_error(
+    id: NodeId,
+    e: RaftError<NodeId, ClientWriteError<NodeId, openraft::BasicNode>>,
+) -> ApiError {
+    if let Some(f) = e.forward_to_leader() {
+        return ApiError::NotLeader {
+            leader: f
+                .leader_id
+                .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
+        };
+    }
+    match e {
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(c)) => {
+            ApiError::Rejected(Rejection::precondition(c.to_string()))
+        }
+        RaftError::Fatal(f) => ApiError::Unavailable(format!("replica {id} is stopping: {f}")),
+        other => ApiError::Internal(other.to_string()),
+    }
 }
 
 /// Where a replica's leader timestamps come from. Production reads the wall clock; the
@@ -90,6 +114,7 @@ impl Replica {
         sm: StateMachineStore,
         committed: Arc<AtomicU64>,
     ) -> Replica {
+        let raft_for_writes = raft.clone();
         Replica {
             id,
             cluster,
@@ -99,12 +124,14 @@ impl Replica {
             committed,
             clock: Clock::System,
             leader_channels: Mutex::new(HashMap::new()),
+            group_commit: GroupCommit::start(id, raft_for_writes, Clock::System),
         }
     }
 
     /// Replaces the wall clock (the deterministic simulation's clock).
     pub fn with_clock(mut self, clock: Clock) -> Replica {
         self.clock = clock;
+        self.group_commit = GroupCommit::start(self.id, self.raft.clone(), clock);
         self
     }
 
@@ -118,39 +145,11 @@ impl Replica {
     }
 
     /// Proposes `command` stamped with this (leader's) clock and waits until it is committed
-    /// and applied; returns what apply said.
+    /// and applied; returns what apply said. Concurrent writes share log entries
+    /// (`group_commit`).
     #[tracing::instrument(level = "debug", skip_all, fields(command = command.kind()), name = "raft.write")]
     pub async fn write(&self, command: Command) -> Result<Outcome, ApiError> {
-        let request = Request {
-            at: self.now_ms(),
-            command,
-        };
-        match self.raft.client_write(request).await {
-            Ok(resp) => Ok(resp.data),
-            Err(e) => Err(self.write_error(e)),
-        }
-    }
-
-    fn write_error(
-        &self,
-        e: RaftError<NodeId, ClientWriteError<NodeId, openraft::BasicNode>>,
-    ) -> ApiError {
-        if let Some(f) = e.forward_to_leader() {
-            return ApiError::NotLeader {
-                leader: f
-                    .leader_id
-                    .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
-            };
-        }
-        match e {
-            RaftError::APIError(ClientWriteError::ChangeMembershipError(c)) => {
-                ApiError::Rejected(Rejection::precondition(c.to_string()))
-            }
-            RaftError::Fatal(f) => {
-                ApiError::Unavailable(format!("replica {} is stopping: {f}", self.id))
-            }
-            other => ApiError::Internal(other.to_string()),
-        }
+        self.group_commit.write(command).await
     }
 
     /// Waits until this replica has confirmed it is the leader and applied everything committed

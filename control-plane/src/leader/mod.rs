@@ -107,8 +107,10 @@ async fn leader_loops(
     let mut last_compaction = Instant::now();
     // How long to let changes land before the next pass: a pass that proposed something is
     // followed at once (more work is likely placeable); after one that found nothing to do,
-    // wait as long as that pass took (up to the interval), so that on a large cluster with a
-    // long blocked queue, a stream of submissions cannot keep the leader planning back to back.
+    // wait `IDLE_SETTLE_FACTOR` times as long as that pass took (up to the interval), so that
+    // on a large cluster with a long blocked queue, a stream of submissions cannot keep the
+    // leader planning back to back: a pass holds the state's read lock, and every apply (every
+    // acknowledged write) waits for it.
     let mut settle = MIN_SETTLE;
     loop {
         tokio::select! {
@@ -127,7 +129,7 @@ async fn leader_loops(
                 settle = if pass.proposed {
                     MIN_SETTLE
                 } else {
-                    pass.took.clamp(MIN_SETTLE, config.schedule_interval)
+                    (pass.took * IDLE_SETTLE_FACTOR).clamp(MIN_SETTLE, config.schedule_interval)
                 };
                 if pass.refused {
                     // Placements were proposed but none stuck (the view was stale): do not
@@ -198,6 +200,11 @@ fn off_runtime<R>(f: impl FnOnce() -> R) -> R {
 
 /// Shortest wait after an applied change before the next pass.
 const MIN_SETTLE: Duration = Duration::from_millis(2);
+
+/// After a pass that found nothing to do, the next waits this many times as long as that pass
+/// took: passes then hold the state lock at most a fifth of the time, so writes keep flowing
+/// behind a long blocked queue.
+const IDLE_SETTLE_FACTOR: u32 = 4;
 
 /// What one scheduling pass did.
 struct Pass {

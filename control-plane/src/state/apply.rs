@@ -15,28 +15,52 @@ impl ClusterState {
     pub fn apply(&mut self, command: &Command, at: Timestamp, index: u64) -> Applied {
         let mut changed = Vec::new();
         let outcome = match command {
+            Command::Batch { commands } => Outcome::Batch(
+                commands
+                    .iter()
+                    .map(|c| self.apply_one(c, at, index, &mut changed))
+                    .collect(),
+            ),
+            single => self.apply_one(single, at, index, &mut changed),
+        };
+        changed.append(&mut self.cascaded);
+        changed.sort_unstable();
+        changed.dedup();
+        Applied {
+            outcome,
+            changed_jobs: changed,
+        }
+    }
+
+    /// Applies one command that is not a batch, recording the jobs it changed in `changed`.
+    fn apply_one(
+        &mut self,
+        command: &Command,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) -> Outcome {
+        let outcome = match command {
             Command::SubmitJob {
                 spec,
                 idempotency_key,
             } => {
                 // An empty key is no key (protobuf's default string).
                 let key = idempotency_key.as_deref().filter(|k| !k.is_empty());
-                self.submit(spec, key, at, index, &mut changed)
+                self.submit(spec, key, at, index, changed)
             }
-            Command::CancelJob { job, reason } => {
-                self.cancel(*job, reason, at, index, &mut changed)
-            }
+            Command::CancelJob { job, reason } => self.cancel(*job, reason, at, index, changed),
             Command::RegisterNode { spec } => self.register_node(spec, at),
             Command::Place { term, placements } => {
-                self.place(*term, placements, at, index, &mut changed)
+                self.place(*term, placements, at, index, changed)
             }
             Command::AllocationStarted { allocation } => {
-                self.allocation_started(*allocation, at, index, &mut changed)
+                self.allocation_started(*allocation, at, index, changed)
             }
             Command::AllocationExited {
                 allocation,
                 outcome,
-            } => self.allocation_exited(*allocation, outcome, at, index, &mut changed),
+            } => self.allocation_exited(*allocation, outcome, at, index, changed),
             Command::PutTenant { tenant } => match validate::validate_tenant(tenant) {
                 Ok(()) => {
                     self.tenants.insert(tenant.name.clone(), tenant.clone());
@@ -49,7 +73,7 @@ impl ClusterState {
                 status,
                 evict,
                 reason,
-            } => self.set_node_status(node, *status, *evict, reason, at, index, &mut changed),
+            } => self.set_node_status(node, *status, *evict, reason, at, index, changed),
             Command::NodeLost {
                 node,
                 reason,
@@ -60,14 +84,14 @@ impl ClusterState {
                         "node {node} registered again since it was judged silent"
                     )))
                 }
-                _ => self.node_lost(node, reason, at, index, &mut changed),
+                _ => self.node_lost(node, reason, at, index, changed),
             },
             Command::SetGpuHealth { node, gpu, health } => self.set_gpu_health(node, gpu, health),
             Command::Preempt {
                 for_job,
                 victims,
                 reason,
-            } => self.preempt(*for_job, victims, reason, at, index, &mut changed),
+            } => self.preempt(*for_job, victims, reason, at, index, changed),
             Command::PutPartition { partition } => match validate::validate_partition(partition) {
                 Ok(()) => {
                     self.partitions
@@ -77,17 +101,15 @@ impl ClusterState {
                 Err(r) => Outcome::Rejected(r),
             },
             Command::CompactJobs { retention } => self.compact_jobs(retention, at),
+            Command::Batch { .. } => Outcome::Rejected(Rejection::invalid(
+                "command",
+                "a batch cannot contain another batch",
+            )),
         };
         if !matches!(outcome, Outcome::Rejected(_)) {
             self.last_applied_at = self.last_applied_at.max(at);
         }
-        changed.append(&mut self.cascaded);
-        changed.sort_unstable();
-        changed.dedup();
-        Applied {
-            outcome,
-            changed_jobs: changed,
-        }
+        outcome
     }
 
     /// Checks a job spec against the cluster: what `validate_job_spec` cannot know alone.

@@ -1425,3 +1425,71 @@ fn undrain_does_not_revive_a_node_that_is_down() {
 
 /// Compaction of finished jobs (`retention.rs`), with the fixtures above.
 mod retention_tests;
+
+// ---------------------------------------------------------------------------------------------
+// Batches (group commit)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_batch_answers_each_command_in_order_and_a_rejection_stops_nothing() {
+    let mut h = Harness::fleet();
+    let applied = h.apply(Command::Batch {
+        commands: vec![
+            Command::submit(job(1).spec(), Some("k1".into())),
+            Command::submit(job(64).spec(), None),
+            Command::submit(job(2).spec(), None),
+            Command::submit(job(1).spec(), Some("k1".into())),
+        ],
+    });
+    let Outcome::Batch(outcomes) = applied.outcome else {
+        panic!("a batch was answered with {:?}", applied.outcome);
+    };
+    assert_eq!(outcomes.len(), 4);
+    assert_eq!(
+        outcomes[0],
+        Outcome::JobSubmitted {
+            id: 1,
+            created: true
+        }
+    );
+    assert!(
+        matches!(&outcomes[1], Outcome::Rejected(r) if r.kind == RejectKind::InvalidArgument),
+        "an impossible job is refused inside a batch: {:?}",
+        outcomes[1]
+    );
+    assert_eq!(
+        outcomes[2],
+        Outcome::JobSubmitted {
+            id: 2,
+            created: true
+        }
+    );
+    assert_eq!(
+        outcomes[3],
+        Outcome::JobSubmitted {
+            id: 1,
+            created: false
+        }
+    );
+    assert_eq!(applied.changed_jobs, vec![1, 2]);
+    // Every member is applied at the batch's index and time.
+    assert_eq!(h.job(1).version, h.index);
+    assert_eq!(h.job(2).version, h.index);
+    assert_eq!(h.job(2).submitted_at, h.at);
+}
+
+#[test]
+fn a_batch_inside_a_batch_is_refused_and_changes_nothing() {
+    let mut h = Harness::fleet();
+    let before = h.state.clone();
+    let applied = h.apply(Command::Batch {
+        commands: vec![Command::Batch {
+            commands: vec![Command::submit(job(1).spec(), None)],
+        }],
+    });
+    let Outcome::Batch(outcomes) = applied.outcome else {
+        panic!("a batch was answered with {:?}", applied.outcome);
+    };
+    assert!(matches!(&outcomes[..], [Outcome::Rejected(r)] if r.message.contains("another batch")));
+    assert_unchanged(&before, &h.state, "nested batch");
+}

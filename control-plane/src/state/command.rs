@@ -117,6 +117,12 @@ pub enum Command {
     CompactJobs {
         retention: JobRetention,
     },
+    /// Several commands in one log entry (group commit): concurrent API writes share one Raft
+    /// append, so one fsync on each replica. Applied in order, each as if it were its own
+    /// entry at this entry's index and time; each gets its own outcome. Never nested.
+    Batch {
+        commands: Vec<Command>,
+    },
 }
 
 impl Command {
@@ -150,6 +156,7 @@ impl Command {
             Command::PutPartition { .. } => "put_partition",
             Command::Preempt { .. } => "preempt",
             Command::CompactJobs { .. } => "compact_jobs",
+            Command::Batch { .. } => "batch",
         }
     }
 }
@@ -207,6 +214,13 @@ impl fmt::Display for Command {
                 retention.archive_ms,
                 retention.max_archived
             ),
+            Command::Batch { commands } => {
+                write!(f, "batch of {}:", commands.len())?;
+                for c in commands {
+                    write!(f, " [{c}]")?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -286,4 +300,6 @@ pub enum Outcome {
     },
     Done,
     Rejected(Rejection),
+    /// The outcome of each command of a `Command::Batch`, in order.
+    Batch(Vec<Outcome>),
 }

@@ -928,6 +928,46 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(config())]
+
+    /// (g) A `Batch` entry (group commit) changes the state exactly as its commands would, applied
+    /// one by one at the same index and time: same outcomes in order, same changed jobs, same
+    /// state. Rejected members change nothing and do not stop the rest.
+    #[test]
+    fn a_batch_applies_like_its_commands_one_by_one(
+        steps in steps(),
+        cuts in vec(1usize..6, 1..40),
+    ) {
+        let run = execute(&steps, |_| Ok(()))?;
+        let mut one_by_one = ClusterState::default();
+        let mut batched = ClusterState::default();
+        let mut log = run.log.iter().map(|(c, at, _)| (c.clone(), *at));
+        let mut index = 0;
+        for cut in cuts.iter().cycle() {
+            let chunk: Vec<(Command, Timestamp)> = log.by_ref().take(*cut).collect();
+            let Some(&(_, at)) = chunk.last() else { break };
+            index += 1;
+            let mut outcomes = Vec::new();
+            let mut changed = BTreeSet::new();
+            for (command, _) in &chunk {
+                let applied = one_by_one.apply(command, at, index);
+                outcomes.push(applied.outcome);
+                changed.extend(applied.changed_jobs);
+            }
+            let commands = chunk.into_iter().map(|(c, _)| c).collect();
+            let applied = batched.apply(&Command::Batch { commands }, at, index);
+            prop_assert_eq!(&applied.outcome, &Outcome::Batch(outcomes));
+            prop_assert_eq!(
+                applied.changed_jobs.into_iter().collect::<BTreeSet<_>>(),
+                changed
+            );
+            prop_assert!(batched == one_by_one, "states differ after batch {}", index);
+        }
+        check_invariants(&batched).map_err(TestCaseError::fail)?;
+    }
+}
+
 /// The generator is not vacuous: over a few dozen sequences it reaches every kind of outcome the
 /// properties above are about.
 #[test]

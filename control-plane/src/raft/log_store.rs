@@ -21,6 +21,9 @@ const VOTE: &str = "vote";
 const COMMITTED: &str = "committed";
 const LAST_PURGED: &str = "last_purged";
 
+/// A log flush that takes this long is logged (a heartbeat interval, by default).
+const SLOW_FLUSH: std::time::Duration = std::time::Duration::from_millis(10);
+
 #[derive(Clone)]
 pub struct LogStore {
     db: sled::Db,
@@ -111,10 +114,22 @@ impl LogStore {
     /// client write, so on a busy machine those wake-ups cost CPU and latency on every write.
     async fn flush_db(&self) -> Result<(), std::io::Error> {
         let db = self.db.clone();
-        match tokio::task::spawn_blocking(move || db.flush()).await {
+        let started = std::time::Instant::now();
+        let result = match tokio::task::spawn_blocking(move || db.flush()).await {
             Ok(flushed) => flushed.map(|_| ()).map_err(std::io::Error::other),
             Err(e) => Err(std::io::Error::other(format!("the flush task failed: {e}"))),
+        };
+        let took = started.elapsed();
+        if took >= SLOW_FLUSH {
+            // openraft waits for this flush before it answers the leader or replicates, and
+            // gives up on a replication call after one heartbeat interval: a disk this slow
+            // shows up as replication timeouts and, if it lasts, elections.
+            tracing::info!(
+                flush_ms = took.as_millis() as u64,
+                "slow log flush: the disk took this long to sync the Raft log"
+            );
         }
+        result
     }
 
     fn remove_range(&self, from: u64, to_inclusive: Option<u64>) -> Result<(), StorageError> {

@@ -17,7 +17,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 use crate::state::{
-    ClusterState, DependencyKind, Job, JobState, MILLI_PER_GPU, Timestamp, priority_rank,
+    ClusterState, DependencyKind, Job, JobId, JobState, MILLI_PER_GPU, Timestamp, YIELD_LIMIT_MS,
+    priority_rank,
 };
 
 /// The level only aging reaches; served first, in eligibility order.
@@ -36,6 +37,27 @@ pub fn dependencies_met(state: &ClusterState, job: &Job) -> bool {
             DependencyKind::AfterNotOk => dep.is_final() && dep != JobState::Succeeded,
         }
     })
+}
+
+/// Whether a preempted job still stands aside for the job it was stopped for: that job is
+/// still pending (not placed, not gone), is not itself standing aside for another, and the
+/// victim has waited less than `YIELD_LIMIT_MS` since its requeue. Without this, the first
+/// victim to exit would be placed straight back on the GPUs it freed while the others still
+/// stop, and be preempted again, for ever. The second condition breaks cycles: two jobs that
+/// preempted each other (one by priority, one reclaiming its quota) must not wait on each
+/// other.
+pub fn yielding(state: &ClusterState, job: &Job, now: Timestamp) -> bool {
+    let pending = |id: Option<JobId>| {
+        id.and_then(|id| state.jobs.get(&id))
+            .filter(|j| j.state == JobState::Pending)
+    };
+    let Some(preemptor) = pending(job.yielded_to) else {
+        return false;
+    };
+    // One level only: a preemptor that stands aside itself (its own preemptor still waits)
+    // is not waited for.
+    pending(preemptor.yielded_to).is_none()
+        && now.saturating_sub(eligible_since(state, job)) < YIELD_LIMIT_MS
 }
 
 /// When the job became eligible: when it last entered the queue (submission, or a requeue —
@@ -118,7 +140,7 @@ impl<'a> Queue<'a> {
         let mut by_level: Vec<Vec<(Timestamp, &'a Job)>> =
             vec![Vec::new(); AGED_LEVEL as usize + 1];
         for job in state.pending_jobs() {
-            if !dependencies_met(state, job) {
+            if !dependencies_met(state, job) || yielding(state, job, now) {
                 continue;
             }
             let since = eligible_since(state, job);

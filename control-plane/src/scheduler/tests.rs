@@ -1068,3 +1068,75 @@ fn a_dependency_that_can_never_be_met_fails_the_job() {
     assert_eq!(w.state.jobs[&late].state, crate::state::JobState::Failed);
     assert!(w.state.check_consistency().is_ok());
 }
+
+#[test]
+fn a_preempted_job_stands_aside_until_the_job_it_was_stopped_for_has_started() {
+    let mut w = World::new();
+    w.node("n", 4, "A100", "", None);
+    let low = |w: &mut World| {
+        w.submit(JobSpec {
+            priority_class: "low".into(),
+            preemptible: true,
+            ..job(2)
+        })
+    };
+    let (first, second) = (low(&mut w), low(&mut w));
+    w.schedule();
+    w.start_all();
+    w.index += 60 * 1000;
+    let high = w.submit(JobSpec {
+        priority_class: "high".into(),
+        ..job(4)
+    });
+    let p = plan(&w.state, w.now());
+    assert_eq!(w.preempt(&p), vec![first, second]);
+    // The first victim stops while the second still runs: the two GPUs it freed are not
+    // given back to it (it would be preempted again as soon as the second one stopped).
+    w.exit_all_of(first, TaskOutcome::Stopped);
+    assert_eq!(w.state.jobs[&first].yielded_to, Some(high));
+    assert!(queue::yielding(&w.state, &w.state.jobs[&first], w.now()));
+    assert!(
+        w.schedule().is_empty(),
+        "nothing starts while the room is made"
+    );
+    w.exit_all_of(second, TaskOutcome::Stopped);
+    assert_eq!(
+        w.schedule().iter().map(|p| p.job).collect::<Vec<_>>(),
+        vec![high]
+    );
+    // Once the preemptor runs, its victims queue normally again.
+    assert!(!queue::yielding(&w.state, &w.state.jobs[&first], w.now()));
+    assert_eq!(w.state.jobs[&high].yielded_to, None);
+}
+
+#[test]
+fn jobs_that_preempted_each_other_do_not_wait_on_each_other() {
+    let mut w = World::new();
+    w.node("n", 4, "A100", "", None);
+    let a = w.submit(job(1));
+    let b = w.submit(job(1));
+    // Each was preempted for the other (one by priority, one reclaiming its quota) and both
+    // wait: neither stands aside, or both would wait until the yield limit.
+    w.state.jobs.get_mut(&a).unwrap().yielded_to = Some(b);
+    w.state.jobs.get_mut(&b).unwrap().yielded_to = Some(a);
+    assert!(!queue::yielding(&w.state, &w.state.jobs[&a], w.now()));
+    assert!(!queue::yielding(&w.state, &w.state.jobs[&b], w.now()));
+    let mut placed: Vec<u64> = w.schedule().iter().map(|p| p.job).collect();
+    placed.sort_unstable();
+    assert_eq!(placed, vec![a, b]);
+}
+
+#[test]
+fn a_preempted_job_stops_standing_aside_after_the_yield_limit() {
+    let mut w = World::new();
+    w.node("n", 4, "A100", "", None);
+    let victim = w.submit(job(1));
+    let preemptor = w.submit(JobSpec {
+        partition: Some("nowhere".into()),
+        ..job(1)
+    });
+    w.state.jobs.get_mut(&victim).unwrap().yielded_to = Some(preemptor);
+    assert!(queue::yielding(&w.state, &w.state.jobs[&victim], w.now()));
+    w.index += crate::state::YIELD_LIMIT_MS;
+    assert!(!queue::yielding(&w.state, &w.state.jobs[&victim], w.now()));
+}

@@ -284,6 +284,7 @@ impl ClusterState {
             allocations: Vec::new(),
             version: index,
             ending: None,
+            yielded_to: None,
         };
         self.jobs.insert(id, job);
         self.index.pending.insert(id);
@@ -674,6 +675,7 @@ impl ClusterState {
         }
         if let Some(job) = self.jobs.get_mut(&p.job) {
             job.allocations = ids;
+            job.yielded_to = None;
         }
         let mut nodes: Vec<&str> = p.tasks.iter().map(|t| t.node.as_str()).collect();
         nodes.sort_unstable();
@@ -812,6 +814,7 @@ impl ClusterState {
             reason: "all tasks exited 0".into(),
             preempted_for: None,
         });
+        job.yielded_to = end.preempted_for.filter(|_| end.state == JobState::Pending);
         self.transition(job_id, end.state, &end.reason, at, index);
         Outcome::Done
     }

@@ -268,7 +268,16 @@ pub struct Job {
     /// job takes once every allocation has exited. `Pending` here means a requeue.
     #[serde(default)]
     pub ending: Option<Ending>,
+    /// Set when the job was preempted and requeued: the job it was stopped for. It does not
+    /// start again while that job still waits (up to `YIELD_LIMIT_MS`), so the room its stop
+    /// made is not taken back by itself before the preemptor can use it (a preemption loop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub yielded_to: Option<JobId>,
 }
+
+/// Longest a preempted job stands aside for the job it was stopped for (a preemptor that can
+/// never start must not keep its victims waiting for ever).
+pub const YIELD_LIMIT_MS: u64 = 10 * 60 * 1000;
 
 impl Job {
     /// Leader time of the job's last state change (for a finished job: when it ended).

@@ -22,7 +22,7 @@ const COMMITTED: &str = "committed";
 const LAST_PURGED: &str = "last_purged";
 
 /// A log flush that takes this long is logged (a heartbeat interval, by default).
-const SLOW_FLUSH: std::time::Duration = std::time::Duration::from_millis(10);
+const SLOW_FLUSH: std::time::Duration = std::time::Duration::from_millis(40);
 
 #[derive(Clone)]
 pub struct LogStore {

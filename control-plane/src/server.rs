@@ -13,7 +13,6 @@ use proto::raft::raft_peer_server::RaftPeerServer;
 use proto::v1::control_plane_client::ControlPlaneClient;
 use proto::v1::control_plane_server::ControlPlaneServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::api::{AgentService, ControlPlaneService, MAX_REQUEST_BYTES};
 use crate::config::ReplicaConfig;
@@ -91,7 +90,7 @@ pub async fn run(
         .add_service(peer_service)
         .add_service(api)
         .add_service(agent_api)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown);
+        .serve_with_incoming_shutdown(proto::transport::incoming(listener), shutdown);
     let mut server = tokio::spawn(server);
 
     if dir.fresh && config.peers.keys().next() == Some(&config.id) {

@@ -19,6 +19,16 @@ pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
         .connect_lazy())
 }
 
+/// The connections a gRPC server accepts on `listener`, with Nagle's algorithm off.
+/// `Server::builder().tcp_nodelay(true)` does not apply to a listener the caller bound itself
+/// (tonic ignores it for `serve_with_incoming*`), and with Nagle on, a response written in two
+/// small pieces (headers, then data and trailers) waits for the peer's delayed ACK, 40 ms on
+/// Linux: exactly the leader's timeout for an AppendEntries, so replication stalled and backed
+/// off every few hundred writes.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 /// Environment variable naming the local IP address every outgoing connection of this process
 /// binds to. Unset (the default), the kernel picks the source address. The chaos harness gives
 /// each replica and agent its own loopback address (127.x.y.z) and sets this to it, so that

@@ -225,6 +225,17 @@ async fn schedule_once(
     let started = Instant::now();
     let plan = off_runtime(|| {
         let data = replica.sm.read();
+        // No node takes new work (none registered yet, or every one drained or down, as in a
+        // maintenance window): nothing can be placed, so nothing is worth preempting either.
+        // Skip the pass rather than hold the state lock over a queue that cannot move.
+        let schedulable = data
+            .cluster
+            .nodes
+            .values()
+            .any(|n| n.status == NodeStatus::Ready);
+        if !schedulable {
+            return scheduler::Plan::default();
+        }
         scheduler::plan_with(&data.cluster, replica.now_ms(), policy)
     });
     let took = started.elapsed();

@@ -9,6 +9,10 @@ use tonic::{Request, Response, Status};
 
 use super::Raft;
 
+/// An AppendEntries that takes this long to handle is logged (the leader's timeout for it is
+/// one heartbeat interval, 40 ms by default).
+const SLOW_APPEND: std::time::Duration = std::time::Duration::from_millis(20);
+
 pub struct PeerService {
     pub cluster: String,
     pub raft: Raft,
@@ -42,8 +46,21 @@ impl RaftPeer for PeerService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let req = self.decode(request.get_ref())?;
+        let received = std::time::Instant::now();
+        let req: openraft::raft::AppendEntriesRequest<super::TypeConfig> =
+            self.decode(request.get_ref())?;
+        let entries = req.entries.len();
         let result = self.raft.append_entries(req).await;
+        let took = received.elapsed();
+        if took >= SLOW_APPEND {
+            // The leader gives up on an AppendEntries after one heartbeat interval and backs
+            // off before it retries: every write waiting on this follower waits that long too.
+            tracing::info!(
+                took_ms = took.as_millis() as u64,
+                entries,
+                "slow AppendEntries: this replica took this long to accept the leader's entries"
+            );
+        }
         self.encode(&result)
     }
 

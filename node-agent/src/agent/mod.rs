@@ -586,10 +586,7 @@ pub async fn run(
         .add_service(proto::agent::node_agent_server::NodeAgentServer::new(
             service::NodeAgentService::new(agent.clone()),
         ))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        );
+        .serve_with_incoming_shutdown(proto::transport::incoming(listener), shutdown);
 
     let tasks = vec![
         tokio::spawn(session_loop(agent.clone(), control.clone())),

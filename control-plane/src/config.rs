@@ -32,14 +32,16 @@ impl Defaults {
     pub const CLUSTER: &'static str = "gpu-cluster";
     pub const LISTEN: &'static str = "127.0.0.1:7001";
     pub const DATA_DIR: &'static str = "./data";
-    /// Heartbeats every 40 ms; elections after 100–200 ms. openraft adds a leader lease equal
+    /// Heartbeats every 40 ms; elections after 90–150 ms. openraft adds a leader lease equal
     /// to the maximum election timeout before a follower of a live leader may campaign, so a
-    /// follower waits 300–400 ms (7–10 missed heartbeats) after the last one: a dead leader is
-    /// replaced in about half a second, while stalls of a loaded 2-core host (fsync, CPU) of a
-    /// few hundred milliseconds do not trigger elections. Measured with `gpuctl bench failover`.
+    /// follower waits 240–300 ms (6–7 missed heartbeats) after the last one, plus up to one
+    /// tick (60 ms): a dead leader is replaced in about a third of a second (p50 314 ms, first
+    /// new placement 329 ms over 20 kills, `gpuctl bench failover`), while shorter stalls of a
+    /// loaded 2-core host (fsync, CPU) do not trigger elections. openraft also gives up on an
+    /// AppendEntries after one heartbeat interval, which is why the heartbeat stays at 40 ms.
     pub const HEARTBEAT_MS: u64 = 40;
-    pub const ELECTION_MIN_MS: u64 = 100;
-    pub const ELECTION_MAX_MS: u64 = 200;
+    pub const ELECTION_MIN_MS: u64 = 90;
+    pub const ELECTION_MAX_MS: u64 = 150;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
     /// sled's page cache. Its own default (1 GiB) kept the latest snapshot, a single value of
     /// hundreds of megabytes with a million job records, resident next to the state it was

@@ -318,6 +318,44 @@ impl Write for SnapshotWriter<'_> {
     }
 }
 
+/// Bytes in memory, in chunks of `SNAPSHOT_CHUNK_BYTES`: a snapshot serialized under the
+/// state's lock, to be stored after it is released. Chunks, not one buffer: no reallocation
+/// copies the bytes while they grow, and each chunk is freed as soon as it is stored.
+#[derive(Default)]
+pub(crate) struct ChunkedBuf {
+    full: Vec<Vec<u8>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkedBuf {
+    pub(crate) fn len(&self) -> u64 {
+        (self.full.len() * SNAPSHOT_CHUNK_BYTES + self.buf.len()) as u64
+    }
+
+    /// Stores the bytes through `writer`, freeing each chunk once it is written.
+    pub(crate) fn store_into(self, writer: &mut SnapshotWriter<'_>) -> io::Result<()> {
+        for chunk in self.full.into_iter().chain([self.buf]) {
+            writer.write_all(&chunk)?;
+        }
+        Ok(())
+    }
+}
+
+impl Write for ChunkedBuf {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let full = &mut self.full;
+        fill_chunks(&mut self.buf, data, |chunk| {
+            full.push(chunk);
+            Ok(())
+        })?;
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Keeps a generation's chunks on disk while it is read.
 struct ReadPin {
     snapshots: Snapshots,

@@ -11,7 +11,9 @@
 //!    the leader's `CompactJobs` whenever compaction is due (checked every minute of leader
 //!    time, as the leader does). The last wave stays running, so the fleet ends full. Then it
 //!    builds a snapshot with the replica's own `build_snapshot` (serialized and flushed to
-//!    sled). It reports VmRSS after applying and VmHWM (the peak, snapshot included).
+//!    sled). It reports VmRSS after applying and VmHWM (the peak, snapshot included), and
+//!    the peaks of applying and of building the snapshot apart (`vm_hwm_applying_mib`,
+//!    `vm_hwm_snapshot_mib`: VmHWM is reset between them).
 //! 2. `load`: opens the same directory as a restarted replica does (`StateMachineStore::open`:
 //!    decode the snapshot, rebuild the indexes, check consistency) and reports VmRSS/VmHWM.
 //!
@@ -266,6 +268,12 @@ fn memory_mib() -> anyhow::Result<(f64, f64)> {
         Ok(kib / 1024.0)
     };
     Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Resets VmHWM to the current RSS (Linux: `clear_refs` 5), so that a later VmHWM is the peak
+/// of what follows. Returns whether it was reset.
+fn reset_hwm() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
 /// Applies entries to the real state machine, as openraft does with committed entries.
@@ -559,7 +567,9 @@ fn build(
     }
     a.flush()?;
     let apply_seconds = started.elapsed().as_secs_f64();
-    let (rss_applied, _) = memory_mib()?;
+    let (rss_applied, hwm_applied) = memory_mib()?;
+    // From here VmHWM is the snapshot's own peak (where the kernel lets it be reset).
+    let hwm_reset = reset_hwm();
 
     let snapshot_started = Instant::now();
     let mut builder = a.sm.clone();
@@ -568,13 +578,20 @@ fn build(
         .block_on(builder.build_snapshot())
         .context("building the snapshot")?;
     let snapshot_seconds = snapshot_started.elapsed().as_secs_f64();
+    let snapshot_locked_seconds = a.sm.last_snapshot_locked().as_secs_f64();
     // The state's JSON, as stored (framed with a few hundred bytes of meta) and as sent to a
     // follower. openraft drops it once built; so does this.
-    let snapshot_bytes = snapshot.snapshot.get_ref().len();
+    let snapshot_bytes = snapshot.snapshot.len();
     drop(snapshot);
-    let (rss_after_snapshot, hwm) = memory_mib()?;
+    let (rss_after_snapshot, hwm_snapshot) = memory_mib()?;
+    let hwm = hwm_snapshot.max(hwm_applied);
 
+    // For comparison: serializing the state alone, into nothing (what the read lock would be
+    // held for if the snapshot were stored after it, from memory).
     let data = a.sm.read();
+    let encode_started = Instant::now();
+    serde_json::to_writer(std::io::sink(), &*data).context("encoding the state")?;
+    let encode_seconds = encode_started.elapsed().as_secs_f64();
     let c = &data.cluster;
     c.check_consistency()
         .map_err(|e| anyhow::anyhow!("the state is inconsistent after the run: {e}"))?;
@@ -593,10 +610,14 @@ fn build(
         "leader_time_hours": (at - START_MS) as f64 / HOUR_MS as f64,
         "apply_seconds": apply_seconds,
         "snapshot_seconds": snapshot_seconds,
+        "snapshot_locked_seconds": snapshot_locked_seconds,
+        "encode_seconds": encode_seconds,
         "snapshot_bytes": snapshot_bytes,
         "vm_rss_mib": rss_applied,
         "vm_rss_after_snapshot_mib": rss_after_snapshot,
         "vm_hwm_mib": hwm,
+        "vm_hwm_applying_mib": hwm_applied,
+        "vm_hwm_snapshot_mib": if hwm_reset { json!(hwm_snapshot) } else { json!(null) },
     }))
 }
 

@@ -13,11 +13,10 @@
 pub mod log_store;
 pub mod network;
 pub mod peer_service;
+pub mod snapshot_store;
 pub mod state_machine;
 #[cfg(test)]
 mod store_suite;
-
-use std::io::Cursor;
 
 use crate::state::{Outcome, Request};
 
@@ -31,7 +30,7 @@ openraft::declare_raft_types!(
         NodeId = NodeId,
         Node = openraft::BasicNode,
         Entry = openraft::Entry<TypeConfig>,
-        SnapshotData = Cursor<Vec<u8>>,
+        SnapshotData = snapshot_store::SnapshotData,
         AsyncRuntime = openraft::TokioRuntime,
 );
 

@@ -6,7 +6,7 @@
 //! to a job is also published on a broadcast channel for `WatchJobs`.
 
 use std::borrow::Cow;
-use std::io::Cursor;
+use std::io::{BufReader, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
@@ -18,10 +18,11 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch};
 
+pub use super::snapshot_store::SnapshotStore;
+use super::snapshot_store::{ChunkedBuf, SnapshotData, Snapshots, StoredReader};
 use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
 use crate::state::{ClusterState, Job, Outcome};
 
-const SNAPSHOT_KEY: &str = "current";
 /// How many job changes a slow watcher may fall behind before it is told to re-list.
 const EVENT_BUFFER: usize = 16 * 1024;
 
@@ -48,43 +49,73 @@ const SNAPSHOT_FORMAT_V2: &[u8; 8] = b"GPUCPSN2";
 
 type Meta = SnapshotMeta<NodeId, BasicNode>;
 
-/// Frames a snapshot: header and meta, then whatever `write_data` appends (the state's JSON).
-/// Returns the framed bytes and where the data starts in them.
 /// An apply that holds the state's write lock this long is logged.
 const SLOW_APPLY: std::time::Duration = std::time::Duration::from_millis(100);
 
-fn frame(
-    meta: &SnapshotMeta<NodeId, BasicNode>,
-    write_data: impl FnOnce(&mut Vec<u8>) -> Result<(), serde_json::Error>,
-) -> Result<(Vec<u8>, usize), serde_json::Error> {
+/// Writes a snapshot's header and meta in the current format; the state's JSON follows.
+/// Returns the header's length (where the data starts).
+fn write_header(out: &mut (impl Write + ?Sized), meta: &Meta) -> std::io::Result<u64> {
     let meta = serde_json::to_vec(meta)?;
     let meta_len = u32::try_from(meta.len()).expect("snapshot meta under 4 GiB");
-    let mut out = Vec::new();
-    out.extend_from_slice(SNAPSHOT_FORMAT_V2);
-    out.extend_from_slice(&meta_len.to_le_bytes());
-    out.extend_from_slice(&meta);
-    let offset = out.len();
-    write_data(&mut out)?;
-    Ok((out, offset))
+    out.write_all(SNAPSHOT_FORMAT_V2)?;
+    out.write_all(&meta_len.to_le_bytes())?;
+    out.write_all(&meta)?;
+    Ok((SNAPSHOT_FORMAT_V2.len() + 4 + meta.len()) as u64)
 }
 
-/// The meta and the state's JSON of a stored snapshot, in either format. The data is borrowed
-/// from `bytes` in the current format (a snapshot may be hundreds of megabytes: no copy).
+/// Reads a current-format header from the start of a stored snapshot: its meta and where its
+/// data starts, or `None` if it is in the first format.
+fn read_header(r: &mut impl Read) -> Result<Option<(Meta, u64)>, String> {
+    let mut tag = Vec::with_capacity(SNAPSHOT_FORMAT_V2.len());
+    r.by_ref()
+        .take(SNAPSHOT_FORMAT_V2.len() as u64)
+        .read_to_end(&mut tag)
+        .map_err(|e| e.to_string())?;
+    if tag != SNAPSHOT_FORMAT_V2 {
+        return Ok(None);
+    }
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)
+        .map_err(|e| format!("the snapshot ends inside its header: {e}"))?;
+    let len = u32::from_le_bytes(len) as usize;
+    let mut meta = vec![0u8; len];
+    r.read_exact(&mut meta)
+        .map_err(|e| format!("the snapshot ends inside its meta: {e}"))?;
+    let meta = serde_json::from_slice(&meta).map_err(|e| format!("its meta: {e}"))?;
+    Ok(Some((meta, (SNAPSHOT_FORMAT_V2.len() + 4 + len) as u64)))
+}
+
+/// The meta and the state's JSON of a snapshot held whole in memory, in either format. The
+/// data is borrowed from `bytes` in the current format (no copy).
 fn unframe(bytes: &[u8]) -> Result<(Meta, Cow<'_, [u8]>), String> {
-    let Some(rest) = bytes.strip_prefix(SNAPSHOT_FORMAT_V2.as_slice()) else {
+    let mut r = bytes;
+    let Some((meta, offset)) = read_header(&mut r)? else {
         let old: StoredSnapshot = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
         return Ok((old.meta, Cow::Owned(old.data)));
     };
-    let (len, rest) = rest
-        .split_first_chunk::<4>()
-        .ok_or("the snapshot ends inside its header")?;
-    let len = u32::from_le_bytes(*len) as usize;
-    if rest.len() < len {
-        return Err("the snapshot ends inside its meta".into());
+    Ok((meta, Cow::Borrowed(&bytes[offset as usize..])))
+}
+
+/// A stored snapshot's meta and its data: read from the store a chunk at a time (current
+/// format), or decoded whole (first format).
+fn open_stored(mut reader: StoredReader) -> Result<(Meta, SnapshotData), String> {
+    match read_header(&mut reader)? {
+        Some((meta, offset)) => Ok((
+            meta,
+            SnapshotData::stored(reader, offset).map_err(|e| e.to_string())?,
+        )),
+        None => {
+            let bytes = reader.into_bytes().map_err(|e| e.to_string())?;
+            let (meta, data) = unframe(&bytes)?;
+            Ok((meta, SnapshotData::from_bytes(data.into_owned())))
+        }
     }
-    let (meta, data) = rest.split_at(len);
-    let meta = serde_json::from_slice(meta).map_err(|e| format!("its meta: {e}"))?;
-    Ok((meta, Cow::Borrowed(data)))
+}
+
+/// Decodes a snapshot's state from its JSON, read a buffer at a time: the JSON of a large
+/// state is never whole in memory next to the state decoded from it.
+fn decode_state(data: SnapshotData) -> Result<StateMachineData, serde_json::Error> {
+    serde_json::from_reader(BufReader::with_capacity(256 * 1024, data))
 }
 
 /// Hands memory freed by a large snapshot (its buffers, the old state's many small blocks) back
@@ -105,129 +136,15 @@ pub struct JobEvent {
     pub log_index: u64,
 }
 
-/// Where the latest snapshot is kept: sled in production; a shared in-memory slot in the
-/// deterministic simulation, where it outlives a simulated crash as a disk would.
-#[derive(Clone)]
-pub enum SnapshotStore {
-    Sled(sled::Tree),
-    Memory(Arc<std::sync::Mutex<Option<Vec<u8>>>>),
-}
-
-impl SnapshotStore {
-    fn get(&self) -> Result<Option<Vec<u8>>, String> {
-        match self {
-            SnapshotStore::Sled(tree) => read_chunked(tree).map_err(|e| e.to_string()),
-            SnapshotStore::Memory(slot) => Ok(slot.lock().expect("snapshot slot poisoned").clone()),
-        }
-    }
-
-    fn put(&self, bytes: &[u8]) -> Result<(), String> {
-        match self {
-            SnapshotStore::Sled(tree) => write_chunked(tree, bytes).map_err(|e| e.to_string()),
-            SnapshotStore::Memory(slot) => {
-                *slot.lock().expect("snapshot slot poisoned") = Some(bytes.to_vec());
-                Ok(())
-            }
-        }
-    }
-}
-
-/// In sled, a snapshot is stored in chunks of this size under `chunk/GENERATION/N`, and
-/// `SNAPSHOT_KEY` holds a pointer to the generation (`CHUNKED_POINTER`, generation, chunk count,
-/// length). sled copies a value at least twice on insert and keeps it in its cache: one value of
-/// hundreds of megabytes cost as much memory again as the state it was made from.
-const SNAPSHOT_CHUNK_BYTES: usize = 4 * 1024 * 1024;
-const CHUNKED_POINTER: &[u8; 8] = b"GPUCPSC1";
-const FLUSH_EVERY_CHUNKS: u32 = 4;
-const CHUNK_PREFIX: &[u8] = b"chunk/";
-
-fn chunk_key(generation: u64, n: u32) -> Vec<u8> {
-    let mut key = CHUNK_PREFIX.to_vec();
-    key.extend_from_slice(&generation.to_be_bytes());
-    key.extend_from_slice(&n.to_be_bytes());
-    key
-}
-
-/// (generation, chunks, length) from a pointer value, or `None` for a snapshot stored whole
-/// (before chunks).
-fn parse_pointer(value: &[u8]) -> Option<(u64, u32, usize)> {
-    let rest = value.strip_prefix(CHUNKED_POINTER.as_slice())?;
-    let (generation, rest) = rest.split_first_chunk::<8>()?;
-    let (chunks, rest) = rest.split_first_chunk::<4>()?;
-    let (len, _) = rest.split_first_chunk::<8>()?;
-    Some((
-        u64::from_le_bytes(*generation),
-        u32::from_le_bytes(*chunks),
-        u64::from_le_bytes(*len) as usize,
-    ))
-}
-
-/// Writes the new chunks, flushes, then switches the pointer (flushed) and removes the old
-/// generation: a crash at any point leaves the previous or the new snapshot whole.
-fn write_chunked(tree: &sled::Tree, bytes: &[u8]) -> Result<(), sled::Error> {
-    let generation = match tree.get(SNAPSHOT_KEY)?.as_deref().and_then(parse_pointer) {
-        Some((g, _, _)) => g + 1,
-        None => 1,
-    };
-    let mut chunks = 0u32;
-    for chunk in bytes.chunks(SNAPSHOT_CHUNK_BYTES) {
-        tree.insert(chunk_key(generation, chunks), chunk)?;
-        chunks += 1;
-        // sled holds what is not yet flushed in memory: bound it to a few chunks.
-        if chunks.is_multiple_of(FLUSH_EVERY_CHUNKS) {
-            tree.flush()?;
-        }
-    }
-    tree.flush()?;
-    let mut pointer = CHUNKED_POINTER.to_vec();
-    pointer.extend_from_slice(&generation.to_le_bytes());
-    pointer.extend_from_slice(&chunks.to_le_bytes());
-    pointer.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    tree.insert(SNAPSHOT_KEY, pointer)?;
-    tree.flush()?;
-    // Chunks of older generations, and of a write that crashed before its pointer switch.
-    let current = chunk_key(generation, 0);
-    for key in tree.scan_prefix(CHUNK_PREFIX).keys() {
-        let key = key?;
-        if key[..current.len() - 4] != current[..current.len() - 4] {
-            tree.remove(key)?;
-        }
-    }
-    tree.flush()?;
-    Ok(())
-}
-
-fn read_chunked(tree: &sled::Tree) -> Result<Option<Vec<u8>>, String> {
-    let Some(value) = tree.get(SNAPSHOT_KEY).map_err(|e| e.to_string())? else {
-        return Ok(None);
-    };
-    let Some((generation, chunks, len)) = parse_pointer(&value) else {
-        return Ok(Some(value.to_vec()));
-    };
-    let mut out = Vec::with_capacity(len);
-    for n in 0..chunks {
-        let chunk = tree
-            .get(chunk_key(generation, n))
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| format!("chunk {n} of snapshot generation {generation} is missing"))?;
-        out.extend_from_slice(&chunk);
-    }
-    if out.len() != len {
-        return Err(format!(
-            "snapshot generation {generation} has {} bytes, its pointer says {len}",
-            out.len()
-        ));
-    }
-    Ok(Some(out))
-}
-
 struct Shared {
     data: RwLock<StateMachineData>,
-    snapshots: SnapshotStore,
+    snapshots: Snapshots,
     events: broadcast::Sender<JobEvent>,
     /// Last applied log index, for loops that react to any change (scheduling, assignments).
     applied: watch::Sender<u64>,
     snapshot_seq: AtomicU64,
+    /// How long the last snapshot built held the state's read lock, in microseconds.
+    snapshot_locked_us: AtomicU64,
 }
 
 /// Cheap to clone: every clone shares the same state.
@@ -248,17 +165,16 @@ impl StateMachineStore {
 
     /// Opens the state machine over any snapshot store, loading its snapshot if there is one.
     pub fn open_with(snapshots: SnapshotStore) -> Result<StateMachineStore, String> {
+        let snapshots = Snapshots::new(snapshots);
         let mut data = StateMachineData::default();
-        if let Some(bytes) = snapshots
-            .get()
+        if let Some(reader) = snapshots
+            .reader()
             .map_err(|e| format!("reading the snapshot: {e}"))?
         {
-            let (_, state) =
-                unframe(&bytes).map_err(|e| format!("the stored snapshot does not decode: {e}"))?;
-            data = serde_json::from_slice(&state)
+            let (_, state) = open_stored(reader)
+                .map_err(|e| format!("the stored snapshot does not decode: {e}"))?;
+            data = decode_state(state)
                 .map_err(|e| format!("the stored snapshot's state does not decode: {e}"))?;
-            drop(state);
-            drop(bytes);
             data.cluster.rebuild_indexes();
             data.cluster
                 .check_consistency()
@@ -274,6 +190,7 @@ impl StateMachineStore {
                 events,
                 applied,
                 snapshot_seq: AtomicU64::new(0),
+                snapshot_locked_us: AtomicU64::new(0),
             }),
         })
     }
@@ -324,31 +241,36 @@ impl StateMachineStore {
         self.shared.events.subscribe()
     }
 
+    /// How long the last snapshot built held the state's read lock (applies wait that long).
+    pub fn last_snapshot_locked(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.shared.snapshot_locked_us.load(Ordering::Relaxed))
+    }
+
     /// Changes whenever entries are applied (the value is the last applied index).
     pub fn watch_applied(&self) -> watch::Receiver<u64> {
         self.shared.applied.subscribe()
     }
+}
 
-    /// Persists a framed snapshot (flushed before this returns).
-    fn write_snapshot(
-        &self,
-        meta: &SnapshotMeta<NodeId, BasicNode>,
-        framed: &[u8],
-    ) -> Result<(), StorageError> {
-        self.shared.snapshots.put(framed).map_err(|e| {
-            StorageIOError::write_snapshot(Some(meta.signature()), &std::io::Error::other(e))
-        })?;
-        Ok(())
-    }
+fn write_error<E: std::error::Error + 'static>(meta: &Meta, e: &E) -> StorageError {
+    StorageIOError::write_snapshot(Some(meta.signature()), e).into()
+}
+
+fn read_error<E: std::error::Error + 'static>(meta: Option<&Meta>, e: &E) -> StorageError {
+    StorageIOError::read_snapshot(meta.map(|m| m.signature()), e).into()
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     #[tracing::instrument(level = "info", skip_all, name = "raft.build_snapshot")]
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        // Serialize under the read lock (applies wait, readers do not), straight into the
-        // framed buffer that is stored: one copy of a possibly large state, not three.
-        let (meta, mut framed, offset) = {
+        // Serialize under the read lock (applies wait, readers do not) into memory, in chunks;
+        // store them after the lock is released, freeing each as it is stored. Storing while
+        // serializing would keep the snapshot from being whole in memory next to the state,
+        // but sled stores a chunk more slowly than serde_json writes one: applies would wait
+        // two to three times as long (`gpuctl bench memory`, `snapshot_locked_seconds`).
+        let (meta, encoded, offset, locked) = {
             let data = self.read();
+            let locked_at = std::time::Instant::now();
             let seq = self.shared.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match data.last_applied {
                 Some(l) => format!("{}-{}-{seq}", l.leader_id, l.index),
@@ -359,18 +281,39 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
                 last_membership: data.last_membership.clone(),
                 snapshot_id,
             };
-            let (framed, offset) = frame(&meta, |buf| serde_json::to_writer(buf, &*data))
+            let mut encoded = ChunkedBuf::default();
+            let offset = write_header(&mut encoded, &meta).map_err(|e| write_error(&meta, &e))?;
+            serde_json::to_writer(&mut encoded, &*data)
                 .map_err(|e| StorageIOError::read_state_machine(&e))?;
-            (meta, framed, offset)
+            (meta, encoded, offset, locked_at.elapsed())
         };
-        self.write_snapshot(&meta, &framed)?;
-        // What openraft sends to followers is the state's JSON alone: drop the frame in place.
-        framed.drain(..offset);
+        let mut writer = self
+            .shared
+            .snapshots
+            .writer()
+            .map_err(|e| write_error(&meta, &e))?;
+        let len = encoded.len();
+        encoded
+            .store_into(&mut writer)
+            .map_err(|e| write_error(&meta, &e))?;
+        self.shared
+            .snapshot_locked_us
+            .store(locked.as_micros() as u64, Ordering::Relaxed);
+        let stored = writer.finish().map_err(|e| write_error(&meta, &e))?;
+        let bytes = stored.len();
+        debug_assert_eq!(bytes, len);
+        // What openraft sends to followers is the state's JSON alone, read from the store.
+        let data = SnapshotData::stored(stored, offset).map_err(|e| write_error(&meta, &e))?;
         release_freed_memory();
-        tracing::info!(bytes = framed.len(), index = ?meta.last_log_id.map(|l| l.index), "snapshot built");
+        tracing::info!(
+            bytes,
+            locked_ms = locked.as_millis() as u64,
+            index = ?meta.last_log_id.map(|l| l.index),
+            "snapshot built"
+        );
         Ok(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(framed)),
+            snapshot: Box::new(data),
         })
     }
 }
@@ -451,35 +394,42 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         self.clone()
     }
 
-    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
-        Ok(Box::new(Cursor::new(Vec::new())))
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
+        Ok(Box::new(SnapshotData::from_bytes(Vec::new())))
     }
 
     #[tracing::instrument(level = "info", skip_all, name = "raft.install_snapshot")]
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta<NodeId, BasicNode>,
-        snapshot: Box<Cursor<Vec<u8>>>,
+        snapshot: Box<SnapshotData>,
     ) -> Result<(), StorageError> {
-        let bytes = snapshot.into_inner();
-        let mut new_data: StateMachineData = serde_json::from_slice(&bytes)
-            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        let bytes = snapshot
+            .into_bytes()
+            .map_err(|e| read_error(Some(meta), &e))?;
+        let mut new_data: StateMachineData =
+            serde_json::from_slice(&bytes).map_err(|e| read_error(Some(meta), &e))?;
         new_data.cluster.rebuild_indexes();
         if let Err(e) = new_data.cluster.check_consistency() {
-            return Err(StorageIOError::read_snapshot(
-                Some(meta.signature()),
+            return Err(read_error(
+                Some(meta),
                 &std::io::Error::other(format!("received snapshot is inconsistent: {e}")),
-            )
-            .into());
+            ));
         }
-        let (framed, _) = frame(meta, |buf| {
-            buf.extend_from_slice(&bytes);
-            Ok(())
-        })
-        .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
-        drop(bytes);
-        self.write_snapshot(meta, &framed)?;
-        drop(framed);
+        // Stored as received, a chunk at a time behind the header.
+        {
+            let mut writer = self
+                .shared
+                .snapshots
+                .writer()
+                .map_err(|e| write_error(meta, &e))?;
+            write_header(&mut writer, meta).map_err(|e| write_error(meta, &e))?;
+            writer
+                .write_all(&bytes)
+                .map_err(|e| write_error(meta, &e))?;
+            drop(bytes);
+            writer.finish().map_err(|e| write_error(meta, &e))?;
+        }
         // Watchers re-learn every job; with none, copying a million records would be waste.
         let jobs: Vec<Job> = if self.shared.events.receiver_count() > 0 {
             new_data.cluster.jobs.values().cloned().collect()
@@ -506,19 +456,20 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let Some(bytes) = self
+        let Some(reader) = self
             .shared
             .snapshots
-            .get()
-            .map_err(|e| StorageIOError::read_snapshot(None, &std::io::Error::other(e)))?
+            .reader()
+            .map_err(|e| read_error(None, &e))?
         else {
             return Ok(None);
         };
-        let (meta, data) = unframe(&bytes)
-            .map_err(|e| StorageIOError::read_snapshot(None, &std::io::Error::other(e)))?;
+        // The data is read from the store as openraft streams it to the follower.
+        let (meta, data) =
+            open_stored(reader).map_err(|e| read_error(None, &std::io::Error::other(e)))?;
         Ok(Some(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(data.into_owned())),
+            snapshot: Box::new(data),
         }))
     }
 }
@@ -553,12 +504,11 @@ mod tests {
     }
 
     fn encode(s: &StoredSnapshot) -> Vec<u8> {
-        frame(&s.meta, |buf| {
-            buf.extend_from_slice(&s.data);
-            Ok(())
-        })
-        .unwrap()
-        .0
+        let mut out = Vec::new();
+        let offset = write_header(&mut out, &s.meta).unwrap();
+        assert_eq!(offset as usize, out.len());
+        out.extend_from_slice(&s.data);
+        out
     }
 
     #[test]
@@ -585,32 +535,77 @@ mod tests {
         });
     }
 
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
     #[test]
-    fn sled_keeps_a_snapshot_in_chunks_and_only_the_latest_generation() {
+    fn a_built_snapshot_is_streamed_to_sled_and_reloads() {
         let db = sled::Config::new().temporary(true).open().unwrap();
-        let tree = db.open_tree("snapshot").unwrap();
-        // A snapshot stored whole, as before chunks, still reads.
-        tree.insert(SNAPSHOT_KEY, b"whole".as_slice()).unwrap();
-        assert_eq!(read_chunked(&tree).unwrap().unwrap(), b"whole");
+        let mut sm = StateMachineStore::open(&db).unwrap();
+        // A state larger than a chunk, so that it spans several.
+        {
+            let mut data = sm.shared.data.write().unwrap();
+            let tenant = crate::state::Tenant {
+                name: "t0".into(),
+                weight: 1,
+                quota_gpus: 0,
+                max_gpus: 0,
+            };
+            data.cluster
+                .apply(&crate::state::Command::PutTenant { tenant }, 1, 1);
+            for i in 1..4000u64 {
+                let mut spec = crate::synthetic::job_spec(i as usize, 0, (1, 1, 0), "normal", 60);
+                spec.name = format!("job-{i}-{}", "x".repeat(200));
+                let command = crate::state::Command::submit(spec, Some(format!("k{i}")));
+                let applied = data.cluster.apply(&command, 1, i + 1);
+                assert!(
+                    !matches!(applied.outcome, Outcome::Rejected(_)),
+                    "{:?}",
+                    applied.outcome
+                );
+            }
+        }
+        let expected = serde_json::to_vec(&*sm.read()).unwrap();
+        let chunk = super::super::snapshot_store::SNAPSHOT_CHUNK_BYTES;
+        assert!(expected.len() > 2 * chunk, "{} bytes", expected.len());
 
-        let big: Vec<u8> = (0..2 * SNAPSHOT_CHUNK_BYTES + 7).map(|i| i as u8).collect();
-        write_chunked(&tree, &big).unwrap();
-        assert_eq!(read_chunked(&tree).unwrap().unwrap(), big);
-        assert_eq!(tree.scan_prefix(CHUNK_PREFIX).count(), 3);
+        let built = block_on(sm.build_snapshot()).unwrap();
+        assert_eq!(built.snapshot.len(), expected.len() as u64);
+        assert_eq!(built.snapshot.into_bytes().unwrap(), expected);
+        let current = block_on(sm.get_current_snapshot()).unwrap().unwrap();
+        assert_eq!(current.meta, built.meta);
+        assert_eq!(current.snapshot.into_bytes().unwrap(), expected);
 
-        write_chunked(&tree, b"small").unwrap();
-        assert_eq!(read_chunked(&tree).unwrap().unwrap(), b"small");
+        let reopened = StateMachineStore::open(&db).unwrap();
         assert_eq!(
-            tree.scan_prefix(CHUNK_PREFIX).count(),
-            1,
-            "old chunks left behind"
+            serde_json::to_vec(&*reopened.read()).unwrap(),
+            expected,
+            "the reloaded state differs"
         );
+    }
 
-        let value = tree.get(SNAPSHOT_KEY).unwrap().unwrap();
-        let (generation, _, _) = parse_pointer(&value).unwrap();
-        tree.remove(chunk_key(generation, 0)).unwrap();
-        let err = read_chunked(&tree).unwrap_err();
-        assert!(err.contains("missing"), "{err}");
+    #[test]
+    fn an_installed_snapshot_is_stored_and_reloads() {
+        let db = sled::Config::new().temporary(true).open().unwrap();
+        let mut sm = StateMachineStore::open(&db).unwrap();
+        let s = stored(cluster_with_a_job());
+        let meta = SnapshotMeta {
+            snapshot_id: "1-1-0".into(),
+            ..Default::default()
+        };
+        let mut received = block_on(sm.begin_receiving_snapshot()).unwrap();
+        block_on(tokio::io::AsyncWriteExt::write_all(&mut *received, &s.data)).unwrap();
+        block_on(sm.install_snapshot(&meta, received)).unwrap();
+        let current = block_on(sm.get_current_snapshot()).unwrap().unwrap();
+        assert_eq!(current.meta, meta);
+        assert_eq!(current.snapshot.into_bytes().unwrap(), s.data);
+        let reopened = StateMachineStore::open(&db).unwrap();
+        assert_eq!(reopened.read().cluster, sm.read().cluster);
     }
 
     #[test]

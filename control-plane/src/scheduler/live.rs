@@ -83,6 +83,9 @@ pub fn live_allocations<'s>(
     // are few: their borrowing state is computed once each.
     let mut owner: Option<(&Job, JobClass)> = None;
     let mut borrowing = FastMap::default();
+    // Consecutive allocations often share their node (work placed together): compare with
+    // the last one's name before hashing.
+    let mut last_node: Option<(&str, Option<NodeIdx>)> = None;
     for rec in state.allocations.values() {
         let id = rec.allocation.job;
         if owner.is_none_or(|(o, _)| o.id != id) {
@@ -104,8 +107,17 @@ pub fn live_allocations<'s>(
                     .max(now)
             })
         };
+        let name = rec.allocation.node.as_str();
+        let node = match last_node {
+            Some((last, idx)) if last == name => idx,
+            _ => {
+                let idx = fleet.index_of.get(name);
+                last_node = Some((name, idx));
+                idx
+            }
+        };
         live.push(LiveAllocation {
-            node: fleet.index_of.get(rec.allocation.node.as_str()).copied(),
+            node,
             rec,
             job,
             job_id: id,

@@ -190,7 +190,7 @@ pub fn select(
             chosen.insert(v);
             // A victim's exit frees its tasks on every node it runs on.
             for rec in state.allocations_of(v) {
-                if let Some(&i) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
+                if let Some(i) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
                     let mut f = free_of(&overlay, i);
                     f.add_allocation(placer.fleet.nodes[i as usize].node, &state.jobs[&v], rec);
                     overlay.insert(i, f);

@@ -153,6 +153,17 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                 }
                 let (plan, stats) = last.unwrap_or_default();
                 let fingerprint = plan_fingerprint(&plan);
+                let head = plan.reservation.as_ref().map_or(String::new(), |r| {
+                    let spec = driver.state.jobs.get(&r.job).map(|j| &j.spec);
+                    format!(
+                        "; head {} task(s) x {} GPU(s) (milli {}) reserved on {} node(s) from +{} s",
+                        spec.map_or(0, |s| s.tasks),
+                        spec.map_or(0, |s| s.gpus_per_task),
+                        spec.map_or(0, |s| s.gpu_milli),
+                        r.nodes.len(),
+                        r.start_at.saturating_sub(driver.now) / 1000
+                    )
+                });
                 times.sort_by(f64::total_cmp);
                 cpu_times.sort_by(f64::total_cmp);
                 let (min, p50, max) = (times[0], times[times.len() / 2], times[times.len() - 1]);
@@ -185,7 +196,9 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                     "last_pass_stages_us": stats,
                     "plan_fingerprint": fingerprint,
                 }));
-                eprintln!("{hosts} hosts, {jobs} pending, {label}: {stats:?} plan {fingerprint}");
+                eprintln!(
+                    "{hosts} hosts, {jobs} pending, {label}: {stats:?} plan {fingerprint}{head}"
+                );
             }
         }
     }

@@ -28,6 +28,16 @@ fn cost(victim: &Job, since: Timestamp, now: Timestamp) -> u64 {
     victim.spec.total_gpu_milli().max(1) * (now.saturating_sub(since) / 1000 + 1)
 }
 
+/// Whether a tenant holds more GPU capacity than its quota guarantees.
+fn tenant_borrowing(state: &ClusterState, tenant: &str) -> bool {
+    let held = state.gpu_milli_held_by_tenant(tenant);
+    let quota = state
+        .tenants
+        .get(tenant)
+        .map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU);
+    held > quota
+}
+
 /// Victims for `head`, or None when preemption cannot make room (or room is already being
 /// made: victims chosen earlier are still stopping).
 pub fn select(
@@ -61,17 +71,28 @@ pub fn select(
     let mut started: FastMap<JobId, (&Job, Timestamp)> = FastMap::default();
     let mut last: Option<(JobId, Option<&Job>)> = None;
     let mut reclaim_allowed: FastMap<&str, bool> = FastMap::default();
+    // Whether a tenant holds more GPU capacity than its quota guarantees (runs on borrowed
+    // room): tenants are few, jobs many.
+    let mut borrowing: FastMap<&str, bool> = FastMap::default();
     for a in live {
-        let (rec, id, class) = (a.rec, a.job_id, a.class);
+        let (rec, id, job) = (a.rec, a.job_id, a.job);
         let candidate = match last {
             Some((j, c)) if j == id => c,
             _ => {
                 // Victims chosen for this job earlier are still stopping: wait.
-                if class.preempted_for == Some(head.id) {
+                if job.ending.as_ref().and_then(|e| e.preempted_for) == Some(head.id) {
                     return None;
                 }
-                let lower = class.preemptible && class.rank < head_rank;
-                let reclaimable = reclaiming && class.tenant_borrowing && !class.stopping;
+                // Cheapest facts first: the priority and the tenant are strings on the heap,
+                // and most running jobs are not preemptible.
+                let lower =
+                    job.spec.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
+                let stopping = job.ending.is_some() || job.state.is_final();
+                let reclaimable = reclaiming
+                    && !stopping
+                    && *borrowing
+                        .entry(job.spec.tenant.as_str())
+                        .or_insert_with(|| tenant_borrowing(state, &job.spec.tenant));
                 // The exact rule apply checks, on the few jobs the facts above leave. Its
                 // reclaim branch depends only on the victim's tenant once the job itself is
                 // live, so it is evaluated once per tenant: it looks tenants up by name, and a
@@ -132,12 +153,11 @@ pub fn select(
         let mut order: Vec<(u64, NodeIdx)> = with_victims
             .iter()
             .map(|&idx| {
+                // The lists are sorted by cost: the first one not chosen is the cheapest.
                 let cheapest = victims_on[idx as usize]
                     .iter()
-                    .filter(|v| !chosen.contains(v))
-                    .map(|v| costs[v])
-                    .min()
-                    .unwrap_or(u64::MAX);
+                    .find(|v| !chosen.contains(v))
+                    .map_or(u64::MAX, |v| costs[v]);
                 let lower = if overlay.contains_key(&idx) {
                     0
                 } else {
@@ -158,6 +178,16 @@ pub fn select(
             let mut extra = Vec::new();
             let mut extra_cost = 0u64;
             let mut fits = memo.fits(placer, idx, &free, shape);
+            // A node that needs victims costs at least its cheapest one (`lower`) and takes at
+            // least one: when that cannot beat the best found, its victims need not be added
+            // up (on a full fleet many nodes tie on the cheapest victim's cost).
+            if !fits
+                && best
+                    .as_ref()
+                    .is_some_and(|b| (lower, 1, idx) > (b.0, b.1, b.2))
+            {
+                continue;
+            }
             for &v in list {
                 if fits {
                     break;

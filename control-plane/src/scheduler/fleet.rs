@@ -166,7 +166,9 @@ pub struct FleetNode<'a> {
     pub ranks: Arc<Vec<Vec<u32>>>,
     /// Held back for a backfill reservation: not in any group; evaluated one by one, against
     /// `shadow` for work that would still run at the reservation's start.
-    pub shadow: Option<NodeFree>,
+    /// Boxed: few nodes are held, and a fleet node is copied into place for every node of
+    /// every pass (an inline `NodeFree` doubled its size).
+    pub shadow: Option<Box<NodeFree>>,
 }
 
 #[derive(Debug)]
@@ -335,7 +337,7 @@ impl<'a> Fleet<'a> {
     /// Takes a node out of the groups for a backfill reservation.
     pub fn reserve(&mut self, idx: NodeIdx, shadow: NodeFree) {
         self.leave(idx);
-        self.nodes[idx as usize].shadow = Some(shadow);
+        self.nodes[idx as usize].shadow = Some(Box::new(shadow));
         self.reserved.insert(idx);
     }
 

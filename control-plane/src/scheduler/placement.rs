@@ -448,6 +448,10 @@ impl Ranking {
 #[derive(Default)]
 pub struct FitMemo<'a> {
     counts: FastMap<(GroupKey<'a>, u32), u32>,
+    /// The same answers for nodes as the fleet has them, by their group: a group's key is
+    /// exactly the (hardware, partition, free) triple above, and looking it up by id saves
+    /// hashing the free resources.
+    by_group: FastMap<GroupId, bool>,
 }
 
 impl<'a> FitMemo<'a> {
@@ -469,6 +473,22 @@ impl<'a> FitMemo<'a> {
             .counts
             .entry((key, max))
             .or_insert_with(|| count_fit(placer, idx, free, shape, max).0)
+    }
+
+    /// Whether one task of `shape` fits on node `idx` with the free resources the fleet has
+    /// for it now.
+    pub fn fits_as_is(&mut self, placer: &Placer<'a>, idx: NodeIdx, shape: &Shape) -> bool {
+        let n = &placer.fleet.nodes[idx as usize];
+        // A held node left its group; its own free resources decide.
+        if n.shadow.is_some() {
+            return self.fits(placer, idx, &n.free, shape);
+        }
+        if let Some(&fits) = self.by_group.get(&n.group) {
+            return fits;
+        }
+        let fits = self.fits(placer, idx, &n.free, shape);
+        self.by_group.insert(n.group, fits);
+        fits
     }
 
     /// Whether one task of `shape` fits on node `idx` with `free`.
@@ -573,7 +593,7 @@ impl<'a> Placer<'a> {
         let free = take(n.node, &n.free, shape, units);
         if long && let Some(shadow) = &n.shadow {
             let shadow = take(n.node, shadow, shape, units);
-            self.fleet.nodes[idx as usize].shadow = Some(shadow);
+            self.fleet.nodes[idx as usize].shadow = Some(Box::new(shadow));
         }
         self.fleet.set_free(idx, free);
     }
@@ -581,7 +601,7 @@ impl<'a> Placer<'a> {
     fn restore(&mut self, undo: Vec<(NodeIdx, NodeFree, Option<NodeFree>)>) {
         for (idx, free, shadow) in undo.into_iter().rev() {
             if self.fleet.nodes[idx as usize].shadow.is_some() {
-                self.fleet.nodes[idx as usize].shadow = shadow;
+                self.fleet.nodes[idx as usize].shadow = shadow.map(Box::new);
             }
             self.fleet.set_free(idx, free);
         }
@@ -589,7 +609,7 @@ impl<'a> Placer<'a> {
 
     fn snapshot(&self, idx: NodeIdx) -> (NodeIdx, NodeFree, Option<NodeFree>) {
         let n = &self.fleet.nodes[idx as usize];
-        (idx, n.free, n.shadow)
+        (idx, n.free, n.shadow.as_deref().copied())
     }
 
     /// Places all `tasks` tasks of a shape or none: a gang across hosts prefers one rack.

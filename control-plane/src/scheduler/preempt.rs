@@ -177,7 +177,11 @@ pub fn select(
             let mut free = free_of(&overlay, idx);
             let mut extra = Vec::new();
             let mut extra_cost = 0u64;
-            let mut fits = memo.fits(placer, idx, &free, shape);
+            let mut fits = if overlay.contains_key(&idx) {
+                memo.fits(placer, idx, &free, shape)
+            } else {
+                memo.fits_as_is(placer, idx, shape)
+            };
             // A node that needs victims costs at least its cheapest one (`lower`) and takes at
             // least one: when that cannot beat the best found, its victims need not be added
             // up (on a full fleet many nodes tie on the cheapest victim's cost).

@@ -263,7 +263,7 @@ pub fn reserve<'s>(
         let count = if bound > now {
             0
         } else {
-            memo.count(placer, idx, &free, shape, tasks)
+            memo.count_as_is(placer, idx, shape, tasks)
         };
         current[idx as usize] = count;
         let t = Timeline {

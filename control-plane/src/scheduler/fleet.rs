@@ -6,6 +6,7 @@
 //! node between groups and appends to an event log that the per-shape rankings
 //! (`placement::Ranking`) replay, so they stay current without rescanning the fleet.
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -157,7 +158,6 @@ pub enum GroupEvent {
 #[derive(Debug)]
 pub struct FleetNode<'a> {
     pub node: &'a Node,
-    pub rack: Option<&'a str>,
     /// Model of the node's GPUs (the first GPU's; hosts carry one model).
     pub model: &'a str,
     pub free: NodeFree,
@@ -178,12 +178,22 @@ pub struct Fleet<'a> {
     pub groups: Vec<Group<'a>>,
     group_of: FastMap<GroupKey<'a>, GroupId>,
     pub events: Vec<GroupEvent>,
-    /// Whether any node carries a `rack` label (gangs then prefer one rack).
-    pub has_racks: bool,
     /// Nodes held for the reservation, in index order.
     pub reserved: BTreeSet<NodeIdx>,
+    /// Whether any node carries a `rack` label (gangs then prefer one rack); found on first
+    /// use.
+    has_racks: OnceCell<bool>,
+    /// The nodes' racks, found on first use: a node's labels are a map on the heap, and only
+    /// a gang that fits somewhere asks for racks (a full fleet's pass never does).
+    racks: OnceCell<Racks<'a>>,
+}
+
+#[derive(Debug)]
+struct Racks<'a> {
+    /// Per node, its rack.
+    of: Vec<Option<&'a str>>,
     /// Rack → its nodes, in index order.
-    pub rack_nodes: BTreeMap<&'a str, Vec<NodeIdx>>,
+    nodes: BTreeMap<&'a str, Vec<NodeIdx>>,
 }
 
 /// Label naming a node's rack.
@@ -198,11 +208,14 @@ impl<'a> Fleet<'a> {
             groups: Vec::new(),
             group_of: FastMap::default(),
             events: Vec::new(),
-            has_racks: false,
             reserved: BTreeSet::new(),
-            rack_nodes: BTreeMap::new(),
+            has_racks: OnceCell::new(),
+            racks: OnceCell::new(),
         };
         let mut ranks_of: FastMap<u64, Arc<Vec<Vec<u32>>>> = FastMap::default();
+        // The first GPU's model, per hardware class (the class fingerprints every GPU's
+        // model): reading it from each node's GPU list was a cache miss per node.
+        let mut model_of: FastMap<u64, &'a str> = FastMap::default();
         // The indexes are keyed by node name like `nodes`: walk them alongside instead of
         // looking each node up (string-keyed lookups were a third of this function's time).
         // They hold exactly the nodes of `nodes` (`check_consistency` verifies it against
@@ -213,35 +226,31 @@ impl<'a> Fleet<'a> {
         let mut previous: Option<(GroupKey, GroupId)> = None;
         let mut frees = state.index.node_free.iter().peekable();
         let mut classes = state.index.hardware_class.iter().peekable();
-        // Racks as met in name order: neighbours usually share one, so a rack's list is looked
-        // up in `rack_nodes` once per run of equal racks, not once per node.
-        let mut racks: Vec<(&'a str, NodeIdx)> = Vec::new();
         for (name, node) in &state.nodes {
-            let (free, hardware) = if aligned {
+            let (free, class) = if aligned {
                 let free = frees.next();
                 let class = classes.next();
                 debug_assert!(free.is_some_and(|(n, _)| n == name));
                 debug_assert!(class.is_some_and(|(n, _)| n == name));
-                (free.map(|(_, f)| *f), class.map_or(0, |(_, c)| *c))
+                (free.map(|(_, f)| *f), class.map(|(_, c)| *c))
             } else {
                 while frees.next_if(|(n, _)| *n < name).is_some() {}
                 while classes.next_if(|(n, _)| *n < name).is_some() {}
                 let free = frees.next_if(|(n, _)| *n == name).map(|(_, f)| *f);
-                let hardware = classes
-                    .next_if(|(n, _)| *n == name)
-                    .map_or(0, |(_, class)| *class);
-                (free, hardware)
+                let class = classes.next_if(|(n, _)| *n == name).map(|(_, c)| *c);
+                (free, class)
             };
+            let hardware = class.unwrap_or(0);
             if node.status != NodeStatus::Ready {
                 continue;
             }
             let free = free.unwrap_or_else(|| NodeFree::capacity(node));
             let idx = fleet.nodes.len() as NodeIdx;
-            let rack = node.spec.labels.get(RACK_LABEL).map(String::as_str);
-            if let Some(r) = rack {
-                fleet.has_racks = true;
-                racks.push((r, idx));
-            }
+            let first_model = || node.spec.gpus.first().map_or("", |g| g.model.as_str());
+            let model = match class {
+                Some(c) => *model_of.entry(c).or_insert_with(first_model),
+                None => first_model(),
+            };
             let ranks = ranks_of
                 .entry(hardware)
                 .or_insert_with(|| Arc::new(rank_matrix(&node.spec.topology)))
@@ -266,21 +275,13 @@ impl<'a> Fleet<'a> {
             };
             fleet.nodes.push(FleetNode {
                 node,
-                rack,
-                model: node.spec.gpus.first().map_or("", |g| g.model.as_str()),
+                model,
                 free,
                 group,
                 ranks,
                 shadow: None,
             });
             fleet.index_of.insert(node.spec.name.as_str(), idx);
-        }
-        for run in racks.chunk_by(|a, b| a.0 == b.0) {
-            fleet
-                .rack_nodes
-                .entry(run[0].0)
-                .or_default()
-                .extend(run.iter().map(|&(_, idx)| idx));
         }
         fleet
     }
@@ -339,6 +340,42 @@ impl<'a> Fleet<'a> {
         self.leave(idx);
         self.nodes[idx as usize].shadow = Some(Box::new(shadow));
         self.reserved.insert(idx);
+    }
+
+    /// Whether any node carries a `rack` label.
+    pub fn has_racks(&self) -> bool {
+        *self.has_racks.get_or_init(|| {
+            self.nodes
+                .iter()
+                .any(|n| n.node.spec.labels.contains_key(RACK_LABEL))
+        })
+    }
+
+    fn racks(&self) -> &Racks<'a> {
+        self.racks.get_or_init(|| {
+            let of: Vec<Option<&'a str>> = self
+                .nodes
+                .iter()
+                .map(|n| n.node.spec.labels.get(RACK_LABEL).map(String::as_str))
+                .collect();
+            let mut nodes: BTreeMap<&'a str, Vec<NodeIdx>> = BTreeMap::new();
+            for (idx, rack) in of.iter().enumerate() {
+                if let Some(r) = rack {
+                    nodes.entry(r).or_default().push(idx as NodeIdx);
+                }
+            }
+            Racks { of, nodes }
+        })
+    }
+
+    /// The node's rack, if it has one.
+    pub fn rack_of(&self, idx: NodeIdx) -> Option<&'a str> {
+        self.racks().of[idx as usize]
+    }
+
+    /// A rack's nodes, in index order.
+    pub fn rack_nodes(&self, rack: &str) -> Vec<NodeIdx> {
+        self.racks().nodes.get(rack).cloned().unwrap_or_default()
     }
 
     /// Free resources that members of `g` all have.

@@ -451,7 +451,7 @@ pub struct FitMemo<'a> {
     /// The same answers for nodes as the fleet has them, by their group: a group's key is
     /// exactly the (hardware, partition, free) triple above, and looking it up by id saves
     /// hashing the free resources.
-    by_group: FastMap<GroupId, bool>,
+    by_group: FastMap<(GroupId, u32), u32>,
 }
 
 impl<'a> FitMemo<'a> {
@@ -475,20 +475,31 @@ impl<'a> FitMemo<'a> {
             .or_insert_with(|| count_fit(placer, idx, free, shape, max).0)
     }
 
-    /// Whether one task of `shape` fits on node `idx` with the free resources the fleet has
-    /// for it now.
-    pub fn fits_as_is(&mut self, placer: &Placer<'a>, idx: NodeIdx, shape: &Shape) -> bool {
+    /// [`FitMemo::count`] for node `idx` with the free resources the fleet has for it now.
+    pub fn count_as_is(
+        &mut self,
+        placer: &Placer<'a>,
+        idx: NodeIdx,
+        shape: &Shape,
+        max: u32,
+    ) -> u32 {
         let n = &placer.fleet.nodes[idx as usize];
         // A held node left its group; its own free resources decide.
         if n.shadow.is_some() {
-            return self.fits(placer, idx, &n.free, shape);
+            return self.count(placer, idx, &n.free, shape, max);
         }
-        if let Some(&fits) = self.by_group.get(&n.group) {
-            return fits;
+        if let Some(&count) = self.by_group.get(&(n.group, max)) {
+            return count;
         }
-        let fits = self.fits(placer, idx, &n.free, shape);
-        self.by_group.insert(n.group, fits);
-        fits
+        let count = self.count(placer, idx, &n.free, shape, max);
+        self.by_group.insert((n.group, max), count);
+        count
+    }
+
+    /// Whether one task of `shape` fits on node `idx` with the free resources the fleet has
+    /// for it now.
+    pub fn fits_as_is(&mut self, placer: &Placer<'a>, idx: NodeIdx, shape: &Shape) -> bool {
+        self.count_as_is(placer, idx, shape, 1) > 0
     }
 
     /// Whether one task of `shape` fits on node `idx` with `free`.
@@ -615,7 +626,7 @@ impl<'a> Placer<'a> {
     /// Places all `tasks` tasks of a shape or none: a gang across hosts prefers one rack.
     pub fn place(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
         if tasks > 1
-            && self.fleet.has_racks
+            && self.fleet.has_racks()
             && let Some(placed) = self.place_in_one_rack(shape, tasks, long)
         {
             return Some(placed);
@@ -685,7 +696,7 @@ impl<'a> Placer<'a> {
                 let mut ready = None;
                 for &idx in rest {
                     cursor = Some(idx);
-                    let Some(rack) = self.fleet.nodes[idx as usize].rack else {
+                    let Some(rack) = self.fleet.rack_of(idx) else {
                         continue;
                     };
                     let c = credit.entry(rack).or_default();
@@ -719,7 +730,7 @@ impl<'a> Placer<'a> {
         long: bool,
         rack: &str,
     ) -> Option<Vec<PlacedTask>> {
-        let nodes = self.fleet.rack_nodes.get(rack).cloned().unwrap_or_default();
+        let nodes = self.fleet.rack_nodes(rack);
         let mut undo = Vec::new();
         let mut placed = Vec::new();
         for _ in 0..tasks {

@@ -23,6 +23,14 @@ pub struct LiveAllocation<'s> {
     pub created_at: Timestamp,
     /// GPUs (or MIG slices) it holds.
     pub units: u32,
+    /// Facts about its job that the preemption search asks of every running job, read here
+    /// while the job is in cache (plain fields, no strings):
+    /// - the job is preemptible;
+    pub preemptible: bool,
+    /// - it is being stopped, or is final (it cannot be a victim);
+    pub stopping: bool,
+    /// - it is being stopped for some job's preemption.
+    pub preempted: bool,
 }
 
 /// Every live allocation, in allocation id order.
@@ -74,6 +82,12 @@ pub fn live_allocations<'s>(
             ends_at,
             created_at: rec.allocation.created_at,
             units: rec.allocation.gpus.len() as u32,
+            preemptible: job.spec.preemptible,
+            stopping: job.ending.is_some() || job.state.is_final(),
+            preempted: job
+                .ending
+                .as_ref()
+                .is_some_and(|e| e.preempted_for.is_some()),
         });
     }
     live

@@ -85,16 +85,16 @@ pub fn select(
             Some((j, c)) if j == id => c,
             _ => {
                 // Victims chosen for this job earlier are still stopping: wait.
-                if job.ending.as_ref().and_then(|e| e.preempted_for) == Some(head.id) {
+                if a.preempted && job.ending.as_ref().and_then(|e| e.preempted_for) == Some(head.id)
+                {
                     return None;
                 }
-                // Cheapest facts first: the priority and the tenant are strings on the heap,
-                // and most running jobs are not preemptible.
-                let lower =
-                    job.spec.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
-                let stopping = job.ending.is_some() || job.state.is_final();
+                // Cheapest facts first (the walk copied them from the job): the priority and
+                // the tenant are strings on the heap, and most running jobs are not
+                // preemptible.
+                let lower = a.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
                 let reclaimable = reclaiming
-                    && !stopping
+                    && !a.stopping
                     && *borrowing
                         .entry(job.spec.tenant.as_str())
                         .or_insert_with(|| tenant_borrowing(state, &job.spec.tenant));

@@ -136,7 +136,7 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
     // Every live allocation with its job and node, walked once and shared by the reservation
     // and the preemption search.
     let mut live: Option<Vec<live::LiveAllocation>> = None;
-    while let Some((job, tenant_id)) = queue.next() {
+    while let Some((job, tenant_id)) = queue.next_with_tenant() {
         stats.jobs_considered += 1;
         let t = tenant_id as usize;
         let limit = *limits[t].get_or_insert_with(|| {

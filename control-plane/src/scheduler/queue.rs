@@ -220,11 +220,11 @@ impl<'a> Queue<'a> {
 
     /// The next job to consider, or None when the queue is served.
     pub fn next_job(&mut self) -> Option<&'a Job> {
-        self.next().map(|(job, _)| job)
+        self.next_with_tenant().map(|(job, _)| job)
     }
 
     /// The next job to consider and its tenant's id, or None when the queue is served.
-    pub fn next(&mut self) -> Option<(&'a Job, TenantId)> {
+    pub fn next_with_tenant(&mut self) -> Option<(&'a Job, TenantId)> {
         while let Some(level) = self.levels.get_mut(self.current) {
             if let Some(entry) = level.fifo.pop_front() {
                 return Some(entry);

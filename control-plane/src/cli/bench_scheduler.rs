@@ -36,6 +36,15 @@ fn thread_cpu_time() -> std::time::Duration {
     std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
+/// A fingerprint of a plan (its JSON form, hashed with fixed keys): equal plans, equal
+/// fingerprints, so a change to the policy's code can be checked to leave its output alone.
+fn plan_fingerprint(plan: &crate::scheduler::Plan) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    serde_json::to_string(plan).unwrap_or_default().hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
 /// GPUs with anything on them (whole, shared or sliced).
 fn gpus_in_use(driver: &Driver) -> usize {
     let s = &driver.state;
@@ -143,6 +152,18 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                     last = Some(result);
                 }
                 let (plan, stats) = last.unwrap_or_default();
+                let fingerprint = plan_fingerprint(&plan);
+                let head = plan.reservation.as_ref().map_or(String::new(), |r| {
+                    let spec = driver.state.jobs.get(&r.job).map(|j| &j.spec);
+                    format!(
+                        "; head {} task(s) x {} GPU(s) (milli {}) reserved on {} node(s) from +{} s",
+                        spec.map_or(0, |s| s.tasks),
+                        spec.map_or(0, |s| s.gpus_per_task),
+                        spec.map_or(0, |s| s.gpu_milli),
+                        r.nodes.len(),
+                        r.start_at.saturating_sub(driver.now) / 1000
+                    )
+                });
                 times.sort_by(f64::total_cmp);
                 cpu_times.sort_by(f64::total_cmp);
                 let (min, p50, max) = (times[0], times[times.len() / 2], times[times.len() - 1]);
@@ -173,8 +194,11 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                     "reservation": plan.reservation.is_some(),
                     "preempted": plan.preemptions.iter().map(|p| p.victims.len()).sum::<usize>(),
                     "last_pass_stages_us": stats,
+                    "plan_fingerprint": fingerprint,
                 }));
-                eprintln!("{hosts} hosts, {jobs} pending, {label}: {stats:?}");
+                eprintln!(
+                    "{hosts} hosts, {jobs} pending, {label}: {stats:?} plan {fingerprint}{head}"
+                );
             }
         }
     }

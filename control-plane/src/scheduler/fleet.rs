@@ -6,6 +6,7 @@
 //! node between groups and appends to an event log that the per-shape rankings
 //! (`placement::Ranking`) replay, so they stay current without rescanning the fleet.
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -21,11 +22,24 @@ use crate::state::{ClusterState, Node, NodeStatus};
 pub struct FastHasher(u64);
 
 impl std::hash::Hasher for FastHasher {
+    /// Eight bytes at a time, little-endian, the last word zero-padded. Whole words are read
+    /// in place and the tail is assembled byte by byte: copying each chunk into a buffer cost a
+    /// `memcpy` call per word, and keys such as `NodeFree` (arrays of GPU milli and memory) are
+    /// hashed for every fit question of a pass.
     fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(word);
+            self.write_u64(u64::from_le_bytes(w));
+        }
+        let tail = words.remainder();
+        if !tail.is_empty() {
+            let word = tail
+                .iter()
+                .enumerate()
+                .fold(0u64, |w, (i, &b)| w | (u64::from(b) << (8 * i)));
+            self.write_u64(word);
         }
     }
 
@@ -57,6 +71,59 @@ impl std::hash::Hasher for FastHasher {
 pub type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
 
 pub type NodeIdx = u32;
+
+/// Node name → index in the fleet. Short names (nearly all) are keyed by their bytes held
+/// inline in the table, so a lookup compares against the table itself instead of following
+/// a pointer to the node's name on the heap: the live-allocation walk looks up every
+/// allocation's node, and those cache misses were a fifth of its time.
+#[derive(Debug, Default)]
+pub struct NodeNames<'a> {
+    short: FastMap<ShortName, NodeIdx>,
+    long: FastMap<&'a str, NodeIdx>,
+}
+
+/// A name of at most `ShortName::MAX` bytes: its length, then its bytes, zero-padded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ShortName([u8; 24]);
+
+impl ShortName {
+    const MAX: usize = 23;
+
+    fn of(name: &str) -> Option<ShortName> {
+        let bytes = name.as_bytes();
+        if bytes.len() > Self::MAX {
+            return None;
+        }
+        let mut key = [0u8; 24];
+        key[0] = bytes.len() as u8;
+        key[1..=bytes.len()].copy_from_slice(bytes);
+        Some(ShortName(key))
+    }
+}
+
+impl<'a> NodeNames<'a> {
+    fn with_capacity(n: usize) -> NodeNames<'a> {
+        NodeNames {
+            short: FastMap::with_capacity_and_hasher(n, Default::default()),
+            long: FastMap::default(),
+        }
+    }
+
+    fn insert(&mut self, name: &'a str, idx: NodeIdx) {
+        match ShortName::of(name) {
+            Some(key) => self.short.insert(key, idx),
+            None => self.long.insert(name, idx),
+        };
+    }
+
+    /// The index of the node named `name`, if it is in the fleet.
+    pub fn get(&self, name: &str) -> Option<NodeIdx> {
+        match ShortName::of(name) {
+            Some(key) => self.short.get(&key).copied(),
+            None => self.long.get(name).copied(),
+        }
+    }
+}
 pub type GroupId = u32;
 
 pub use crate::state::free::{MAX_GPUS, MAX_SLICES, NodeFree};
@@ -91,7 +158,6 @@ pub enum GroupEvent {
 #[derive(Debug)]
 pub struct FleetNode<'a> {
     pub node: &'a Node,
-    pub rack: Option<&'a str>,
     /// Model of the node's GPUs (the first GPU's; hosts carry one model).
     pub model: &'a str,
     pub free: NodeFree,
@@ -100,22 +166,34 @@ pub struct FleetNode<'a> {
     pub ranks: Arc<Vec<Vec<u32>>>,
     /// Held back for a backfill reservation: not in any group; evaluated one by one, against
     /// `shadow` for work that would still run at the reservation's start.
-    pub shadow: Option<NodeFree>,
+    /// Boxed: few nodes are held, and a fleet node is copied into place for every node of
+    /// every pass (an inline `NodeFree` doubled its size).
+    pub shadow: Option<Box<NodeFree>>,
 }
 
 #[derive(Debug)]
 pub struct Fleet<'a> {
     pub nodes: Vec<FleetNode<'a>>,
-    pub index_of: FastMap<&'a str, NodeIdx>,
+    pub index_of: NodeNames<'a>,
     pub groups: Vec<Group<'a>>,
     group_of: FastMap<GroupKey<'a>, GroupId>,
     pub events: Vec<GroupEvent>,
-    /// Whether any node carries a `rack` label (gangs then prefer one rack).
-    pub has_racks: bool,
     /// Nodes held for the reservation, in index order.
     pub reserved: BTreeSet<NodeIdx>,
+    /// Whether any node carries a `rack` label (gangs then prefer one rack); found on first
+    /// use.
+    has_racks: OnceCell<bool>,
+    /// The nodes' racks, found on first use: a node's labels are a map on the heap, and only
+    /// a gang that fits somewhere asks for racks (a full fleet's pass never does).
+    racks: OnceCell<Racks<'a>>,
+}
+
+#[derive(Debug)]
+struct Racks<'a> {
+    /// Per node, its rack.
+    of: Vec<Option<&'a str>>,
     /// Rack → its nodes, in index order.
-    pub rack_nodes: BTreeMap<&'a str, Vec<NodeIdx>>,
+    nodes: BTreeMap<&'a str, Vec<NodeIdx>>,
 }
 
 /// Label naming a node's rack.
@@ -126,37 +204,53 @@ impl<'a> Fleet<'a> {
     pub fn build(state: &'a ClusterState) -> Fleet<'a> {
         let mut fleet = Fleet {
             nodes: Vec::with_capacity(state.nodes.len()),
-            index_of: FastMap::with_capacity_and_hasher(state.nodes.len(), Default::default()),
+            index_of: NodeNames::with_capacity(state.nodes.len()),
             groups: Vec::new(),
             group_of: FastMap::default(),
             events: Vec::new(),
-            has_racks: false,
             reserved: BTreeSet::new(),
-            rack_nodes: BTreeMap::new(),
+            has_racks: OnceCell::new(),
+            racks: OnceCell::new(),
         };
         let mut ranks_of: FastMap<u64, Arc<Vec<Vec<u32>>>> = FastMap::default();
+        // The first GPU's model, per hardware class (the class fingerprints every GPU's
+        // model): reading it from each node's GPU list was a cache miss per node.
+        let mut model_of: FastMap<u64, &'a str> = FastMap::default();
         // The indexes are keyed by node name like `nodes`: walk them alongside instead of
         // looking each node up (string-keyed lookups were a third of this function's time).
+        // They hold exactly the nodes of `nodes` (`check_consistency` verifies it against
+        // indexes derived from the data), so when their sizes agree they are zipped without
+        // comparing names at all; otherwise they are merge-walked by name.
+        let aligned = state.index.node_free.len() == state.nodes.len()
+            && state.index.hardware_class.len() == state.nodes.len();
         let mut previous: Option<(GroupKey, GroupId)> = None;
         let mut frees = state.index.node_free.iter().peekable();
         let mut classes = state.index.hardware_class.iter().peekable();
         for (name, node) in &state.nodes {
-            while frees.next_if(|(n, _)| *n < name).is_some() {}
-            while classes.next_if(|(n, _)| *n < name).is_some() {}
-            let free = frees.next_if(|(n, _)| *n == name).map(|(_, f)| *f);
-            let hardware = classes
-                .next_if(|(n, _)| *n == name)
-                .map_or(0, |(_, class)| *class);
+            let (free, class) = if aligned {
+                let free = frees.next();
+                let class = classes.next();
+                debug_assert!(free.is_some_and(|(n, _)| n == name));
+                debug_assert!(class.is_some_and(|(n, _)| n == name));
+                (free.map(|(_, f)| *f), class.map(|(_, c)| *c))
+            } else {
+                while frees.next_if(|(n, _)| *n < name).is_some() {}
+                while classes.next_if(|(n, _)| *n < name).is_some() {}
+                let free = frees.next_if(|(n, _)| *n == name).map(|(_, f)| *f);
+                let class = classes.next_if(|(n, _)| *n == name).map(|(_, c)| *c);
+                (free, class)
+            };
+            let hardware = class.unwrap_or(0);
             if node.status != NodeStatus::Ready {
                 continue;
             }
             let free = free.unwrap_or_else(|| NodeFree::capacity(node));
             let idx = fleet.nodes.len() as NodeIdx;
-            let rack = node.spec.labels.get(RACK_LABEL).map(String::as_str);
-            if let Some(r) = rack {
-                fleet.has_racks = true;
-                fleet.rack_nodes.entry(r).or_default().push(idx);
-            }
+            let first_model = || node.spec.gpus.first().map_or("", |g| g.model.as_str());
+            let model = match class {
+                Some(c) => *model_of.entry(c).or_insert_with(first_model),
+                None => first_model(),
+            };
             let ranks = ranks_of
                 .entry(hardware)
                 .or_insert_with(|| Arc::new(rank_matrix(&node.spec.topology)))
@@ -181,8 +275,7 @@ impl<'a> Fleet<'a> {
             };
             fleet.nodes.push(FleetNode {
                 node,
-                rack,
-                model: node.spec.gpus.first().map_or("", |g| g.model.as_str()),
+                model,
                 free,
                 group,
                 ranks,
@@ -245,8 +338,44 @@ impl<'a> Fleet<'a> {
     /// Takes a node out of the groups for a backfill reservation.
     pub fn reserve(&mut self, idx: NodeIdx, shadow: NodeFree) {
         self.leave(idx);
-        self.nodes[idx as usize].shadow = Some(shadow);
+        self.nodes[idx as usize].shadow = Some(Box::new(shadow));
         self.reserved.insert(idx);
+    }
+
+    /// Whether any node carries a `rack` label.
+    pub fn has_racks(&self) -> bool {
+        *self.has_racks.get_or_init(|| {
+            self.nodes
+                .iter()
+                .any(|n| n.node.spec.labels.contains_key(RACK_LABEL))
+        })
+    }
+
+    fn racks(&self) -> &Racks<'a> {
+        self.racks.get_or_init(|| {
+            let of: Vec<Option<&'a str>> = self
+                .nodes
+                .iter()
+                .map(|n| n.node.spec.labels.get(RACK_LABEL).map(String::as_str))
+                .collect();
+            let mut nodes: BTreeMap<&'a str, Vec<NodeIdx>> = BTreeMap::new();
+            for (idx, rack) in of.iter().enumerate() {
+                if let Some(r) = rack {
+                    nodes.entry(r).or_default().push(idx as NodeIdx);
+                }
+            }
+            Racks { of, nodes }
+        })
+    }
+
+    /// The node's rack, if it has one.
+    pub fn rack_of(&self, idx: NodeIdx) -> Option<&'a str> {
+        self.racks().of[idx as usize]
+    }
+
+    /// A rack's nodes, in index order.
+    pub fn rack_nodes(&self, rack: &str) -> Vec<NodeIdx> {
+        self.racks().nodes.get(rack).cloned().unwrap_or_default()
     }
 
     /// Free resources that members of `g` all have.

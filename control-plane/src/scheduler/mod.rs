@@ -28,8 +28,6 @@ mod preempt;
 pub mod queue;
 pub mod score;
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 
 use crate::state::{ClusterState, Job, JobPlacement, MILLI_PER_GPU, TaskPlacement, Timestamp};
@@ -129,25 +127,28 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
     let mut placer = Placer::new(Fleet::build(state), scorer);
     stats.fleet_us = lap(&mut clock);
     let mut plan = Plan::default();
+    // Per tenant (by the queue's id): its GPU limit (milli), looked up once.
+    let mut limits: Vec<Option<Option<u64>>> = vec![None; queue.tenants()];
     // GPU capacity (milli) each limited tenant holds, updated as this pass places its jobs.
-    let mut held: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut held: Vec<Option<u64>> = vec![None; queue.tenants()];
     let mut head: Option<(&Job, Shape)> = None;
     let mut planned: Vec<(NodeIdx, Option<Timestamp>, Shape, Units)> = Vec::new();
     // Every live allocation with its job and node, walked once and shared by the reservation
     // and the preemption search.
     let mut live: Option<Vec<live::LiveAllocation>> = None;
-    while let Some(job) = queue.next_job() {
+    while let Some((job, tenant_id)) = queue.next_with_tenant() {
         stats.jobs_considered += 1;
-        let tenant = job.spec.tenant.as_str();
-        let limit = state
-            .tenants
-            .get(tenant)
-            .map(|t| u64::from(t.max_gpus) * MILLI_PER_GPU)
-            .filter(|m| *m > 0);
+        let t = tenant_id as usize;
+        let limit = *limits[t].get_or_insert_with(|| {
+            state
+                .tenants
+                .get(&job.spec.tenant)
+                .map(|t| u64::from(t.max_gpus) * MILLI_PER_GPU)
+                .filter(|m| *m > 0)
+        });
         if let Some(limit) = limit {
-            let h = *held
-                .entry(tenant)
-                .or_insert_with(|| state.gpu_milli_held_by_tenant(tenant));
+            let h =
+                *held[t].get_or_insert_with(|| state.gpu_milli_held_by_tenant(&job.spec.tenant));
             if h + job.spec.total_gpu_milli() > limit {
                 continue;
             }
@@ -161,9 +162,9 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
         match placer.place(&shape, job.spec.tasks, long) {
             Some(tasks) => {
                 if limit.is_some() {
-                    *held.entry(tenant).or_default() += job.spec.total_gpu_milli();
+                    *held[t].get_or_insert(0) += job.spec.total_gpu_milli();
                 }
-                queue.charge(tenant, queue::expected_gpu_seconds(job));
+                queue.charge(tenant_id, queue::expected_gpu_seconds(job));
                 let mut placed = Vec::with_capacity(tasks.len());
                 for (idx, units) in tasks {
                     let node = placer.fleet.nodes[idx as usize].node;
@@ -182,7 +183,7 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
                 // The head's tenant keeps room under its limit for it: later jobs of the same
                 // tenant must not use it up, or the reservation would be void at its start.
                 if limit.is_some() {
-                    *held.entry(tenant).or_default() += job.spec.total_gpu_milli();
+                    *held[t].get_or_insert(0) += job.spec.total_gpu_milli();
                 }
                 if !policy.backfill {
                     head = Some((job, shape));

@@ -448,6 +448,10 @@ impl Ranking {
 #[derive(Default)]
 pub struct FitMemo<'a> {
     counts: FastMap<(GroupKey<'a>, u32), u32>,
+    /// The same answers for nodes as the fleet has them, by their group: a group's key is
+    /// exactly the (hardware, partition, free) triple above, and looking it up by id saves
+    /// hashing the free resources.
+    by_group: FastMap<(GroupId, u32), u32>,
 }
 
 impl<'a> FitMemo<'a> {
@@ -469,6 +473,33 @@ impl<'a> FitMemo<'a> {
             .counts
             .entry((key, max))
             .or_insert_with(|| count_fit(placer, idx, free, shape, max).0)
+    }
+
+    /// [`FitMemo::count`] for node `idx` with the free resources the fleet has for it now.
+    pub fn count_as_is(
+        &mut self,
+        placer: &Placer<'a>,
+        idx: NodeIdx,
+        shape: &Shape,
+        max: u32,
+    ) -> u32 {
+        let n = &placer.fleet.nodes[idx as usize];
+        // A held node left its group; its own free resources decide.
+        if n.shadow.is_some() {
+            return self.count(placer, idx, &n.free, shape, max);
+        }
+        if let Some(&count) = self.by_group.get(&(n.group, max)) {
+            return count;
+        }
+        let count = self.count(placer, idx, &n.free, shape, max);
+        self.by_group.insert((n.group, max), count);
+        count
+    }
+
+    /// Whether one task of `shape` fits on node `idx` with the free resources the fleet has
+    /// for it now.
+    pub fn fits_as_is(&mut self, placer: &Placer<'a>, idx: NodeIdx, shape: &Shape) -> bool {
+        self.count_as_is(placer, idx, shape, 1) > 0
     }
 
     /// Whether one task of `shape` fits on node `idx` with `free`.
@@ -573,7 +604,7 @@ impl<'a> Placer<'a> {
         let free = take(n.node, &n.free, shape, units);
         if long && let Some(shadow) = &n.shadow {
             let shadow = take(n.node, shadow, shape, units);
-            self.fleet.nodes[idx as usize].shadow = Some(shadow);
+            self.fleet.nodes[idx as usize].shadow = Some(Box::new(shadow));
         }
         self.fleet.set_free(idx, free);
     }
@@ -581,7 +612,7 @@ impl<'a> Placer<'a> {
     fn restore(&mut self, undo: Vec<(NodeIdx, NodeFree, Option<NodeFree>)>) {
         for (idx, free, shadow) in undo.into_iter().rev() {
             if self.fleet.nodes[idx as usize].shadow.is_some() {
-                self.fleet.nodes[idx as usize].shadow = shadow;
+                self.fleet.nodes[idx as usize].shadow = shadow.map(Box::new);
             }
             self.fleet.set_free(idx, free);
         }
@@ -589,13 +620,13 @@ impl<'a> Placer<'a> {
 
     fn snapshot(&self, idx: NodeIdx) -> (NodeIdx, NodeFree, Option<NodeFree>) {
         let n = &self.fleet.nodes[idx as usize];
-        (idx, n.free, n.shadow)
+        (idx, n.free, n.shadow.as_deref().copied())
     }
 
     /// Places all `tasks` tasks of a shape or none: a gang across hosts prefers one rack.
     pub fn place(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
         if tasks > 1
-            && self.fleet.has_racks
+            && self.fleet.has_racks()
             && let Some(placed) = self.place_in_one_rack(shape, tasks, long)
         {
             return Some(placed);
@@ -665,7 +696,7 @@ impl<'a> Placer<'a> {
                 let mut ready = None;
                 for &idx in rest {
                     cursor = Some(idx);
-                    let Some(rack) = self.fleet.nodes[idx as usize].rack else {
+                    let Some(rack) = self.fleet.rack_of(idx) else {
                         continue;
                     };
                     let c = credit.entry(rack).or_default();
@@ -699,7 +730,7 @@ impl<'a> Placer<'a> {
         long: bool,
         rack: &str,
     ) -> Option<Vec<PlacedTask>> {
-        let nodes = self.fleet.rack_nodes.get(rack).cloned().unwrap_or_default();
+        let nodes = self.fleet.rack_nodes(rack);
         let mut undo = Vec::new();
         let mut placed = Vec::new();
         for _ in 0..tasks {

@@ -5,7 +5,7 @@
 //! GPU-seconds of work lost (GPU capacity × time since the victim started). Victims get the
 //! agents' stop grace period and are requeued, never lost.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use serde::Serialize;
 
@@ -22,10 +22,23 @@ pub struct Preemption {
     pub victims: Vec<JobId>,
 }
 
+/// A candidate victim's number in one search (in the order met).
+type Slot = u32;
+
 /// Work lost if `victim`, whose first task started at `since`, is stopped now: milli-GPU ×
 /// seconds since then.
 fn cost(victim: &Job, since: Timestamp, now: Timestamp) -> u64 {
     victim.spec.total_gpu_milli().max(1) * (now.saturating_sub(since) / 1000 + 1)
+}
+
+/// Whether a tenant holds more GPU capacity than its quota guarantees.
+fn tenant_borrowing(state: &ClusterState, tenant: &str) -> bool {
+    let held = state.gpu_milli_held_by_tenant(tenant);
+    let quota = state
+        .tenants
+        .get(tenant)
+        .map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU);
+    held > quota
 }
 
 /// Victims for `head`, or None when preemption cannot make room (or room is already being
@@ -51,27 +64,40 @@ pub fn select(
     // Candidates and their allocations per node, in one walk over the live allocations (a
     // job's allocations are usually adjacent, so its rules are checked once): on a full
     // cluster this walk is most of the pass.
+    // Candidates are numbered as met (`Slot`); per candidate: its id, job, and when its first
+    // task started.
+    let mut candidates: Vec<(JobId, &Job, Timestamp)> = Vec::new();
+    let mut slot_of: FastMap<JobId, Slot> = FastMap::default();
     // Indexed by node (dense); `with_victims` lists the nodes that have any.
-    let mut victims_on: Vec<Vec<JobId>> = vec![Vec::new(); placer.fleet.nodes.len()];
+    let mut victims_on: Vec<Vec<Slot>> = vec![Vec::new(); placer.fleet.nodes.len()];
     // Per node, the candidates' allocations there (so adding a victim needs no lookups).
-    let mut allocs_on: Vec<Vec<(&Job, &AllocationRecord)>> =
+    let mut allocs_on: Vec<Vec<(Slot, &AllocationRecord)>> =
         vec![Vec::new(); placer.fleet.nodes.len()];
     let mut with_victims: Vec<NodeIdx> = Vec::new();
-    // Candidate → when its first task started.
-    let mut started: FastMap<JobId, (&Job, Timestamp)> = FastMap::default();
-    let mut last: Option<(JobId, Option<&Job>)> = None;
+    let mut last: Option<(JobId, Option<Slot>)> = None;
     let mut reclaim_allowed: FastMap<&str, bool> = FastMap::default();
+    // Whether a tenant holds more GPU capacity than its quota guarantees (runs on borrowed
+    // room): tenants are few, jobs many.
+    let mut borrowing: FastMap<&str, bool> = FastMap::default();
     for a in live {
-        let (rec, id, class) = (a.rec, a.job_id, a.class);
+        let (rec, id, job) = (a.rec, a.job_id, a.job);
         let candidate = match last {
             Some((j, c)) if j == id => c,
             _ => {
                 // Victims chosen for this job earlier are still stopping: wait.
-                if class.preempted_for == Some(head.id) {
+                if a.preempted && job.ending.as_ref().and_then(|e| e.preempted_for) == Some(head.id)
+                {
                     return None;
                 }
-                let lower = class.preemptible && class.rank < head_rank;
-                let reclaimable = reclaiming && class.tenant_borrowing && !class.stopping;
+                // Cheapest facts first (the walk copied them from the job): the priority and
+                // the tenant are strings on the heap, and most running jobs are not
+                // preemptible.
+                let lower = a.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
+                let reclaimable = reclaiming
+                    && !a.stopping
+                    && *borrowing
+                        .entry(job.spec.tenant.as_str())
+                        .or_insert_with(|| tenant_borrowing(state, &job.spec.tenant));
                 // The exact rule apply checks, on the few jobs the facts above leave. Its
                 // reclaim branch depends only on the victim's tenant once the job itself is
                 // live, so it is evaluated once per tenant: it looks tenants up by name, and a
@@ -86,37 +112,43 @@ pub fn select(
                     } else {
                         false
                     };
-                let c = allowed.then_some(a.job);
+                let c = allowed.then(|| {
+                    *slot_of.entry(id).or_insert_with(|| {
+                        candidates.push((id, a.job, a.created_at));
+                        (candidates.len() - 1) as Slot
+                    })
+                });
                 last = Some((id, c));
                 c
             }
         };
-        let Some(job) = candidate else {
+        let Some(slot) = candidate else {
             continue;
         };
-        let since = &mut started.entry(id).or_insert((job, a.created_at)).1;
+        let since = &mut candidates[slot as usize].2;
         *since = (*since).min(a.created_at);
         let Some(node) = a.node else { continue };
-        allocs_on[node as usize].push((job, rec));
+        allocs_on[node as usize].push((slot, rec));
         let list = &mut victims_on[node as usize];
         if list.is_empty() {
             with_victims.push(node);
         }
-        if !list.contains(&id) {
-            list.push(id);
+        if !list.contains(&slot) {
+            list.push(slot);
         }
     }
-    let costs: FastMap<JobId, u64> = started
+    let costs: Vec<u64> = candidates
         .iter()
-        .map(|(&id, &(job, since))| (id, cost(job, since, now)))
+        .map(|&(_, job, since)| cost(job, since, now))
         .collect();
     if costs.is_empty() {
         return None;
     }
     for &idx in &with_victims {
-        victims_on[idx as usize].sort_by_key(|j| (costs[j], *j));
+        victims_on[idx as usize].sort_by_key(|&s| (costs[s as usize], candidates[s as usize].0));
     }
-    let mut chosen: BTreeSet<JobId> = BTreeSet::new();
+    let mut chosen: Vec<bool> = vec![false; candidates.len()];
+    let mut chosen_ids: Vec<JobId> = Vec::new();
     // Free resources per node as the chosen victims' exits would leave them.
     let mut overlay: BTreeMap<NodeIdx, NodeFree> = BTreeMap::new();
     let free_of = |overlay: &BTreeMap<NodeIdx, NodeFree>, idx: NodeIdx| {
@@ -132,12 +164,11 @@ pub fn select(
         let mut order: Vec<(u64, NodeIdx)> = with_victims
             .iter()
             .map(|&idx| {
+                // The lists are sorted by cost: the first one not chosen is the cheapest.
                 let cheapest = victims_on[idx as usize]
                     .iter()
-                    .filter(|v| !chosen.contains(v))
-                    .map(|v| costs[v])
-                    .min()
-                    .unwrap_or(u64::MAX);
+                    .find(|&&v| !chosen[v as usize])
+                    .map_or(u64::MAX, |&v| costs[v as usize]);
                 let lower = if overlay.contains_key(&idx) {
                     0
                 } else {
@@ -147,7 +178,7 @@ pub fn select(
             })
             .collect();
         order.sort_unstable();
-        let mut best: Option<(u64, usize, NodeIdx, Vec<JobId>)> = None;
+        let mut best: Option<(u64, usize, NodeIdx, Vec<Slot>)> = None;
         for (lower, idx) in order {
             if best.as_ref().is_some_and(|b| lower > b.0) {
                 break;
@@ -157,21 +188,36 @@ pub fn select(
             let mut free = free_of(&overlay, idx);
             let mut extra = Vec::new();
             let mut extra_cost = 0u64;
-            let mut fits = memo.fits(placer, idx, &free, shape);
+            let mut fits = if overlay.contains_key(&idx) {
+                memo.fits(placer, idx, &free, shape)
+            } else {
+                memo.fits_as_is(placer, idx, shape)
+            };
+            // A node that needs victims costs at least its cheapest one (`lower`) and takes at
+            // least one: when that cannot beat the best found, its victims need not be added
+            // up (on a full fleet many nodes tie on the cheapest victim's cost).
+            if !fits
+                && best
+                    .as_ref()
+                    .is_some_and(|b| (lower, 1, idx) > (b.0, b.1, b.2))
+            {
+                continue;
+            }
             for &v in list {
                 if fits {
                     break;
                 }
-                if chosen.contains(&v) {
+                if chosen[v as usize] {
                     continue;
                 }
-                for &(job, rec) in &allocs_on[idx as usize] {
-                    if job.id == v {
+                let job = candidates[v as usize].1;
+                for &(s, rec) in &allocs_on[idx as usize] {
+                    if s == v {
                         free.add_allocation(n.node, job, rec);
                     }
                 }
                 extra.push(v);
-                extra_cost += costs[&v];
+                extra_cost += costs[v as usize];
                 fits = memo.fits(placer, idx, &free, shape);
             }
             if !fits {
@@ -187,12 +233,14 @@ pub fn select(
         }
         let (_, _, idx, extra) = best?;
         for v in extra {
-            chosen.insert(v);
+            chosen[v as usize] = true;
+            let (id, job, _) = candidates[v as usize];
+            chosen_ids.push(id);
             // A victim's exit frees its tasks on every node it runs on.
-            for rec in state.allocations_of(v) {
-                if let Some(&i) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
+            for rec in state.allocations_of(id) {
+                if let Some(i) = placer.fleet.index_of.get(rec.allocation.node.as_str()) {
                     let mut f = free_of(&overlay, i);
-                    f.add_allocation(placer.fleet.nodes[i as usize].node, &state.jobs[&v], rec);
+                    f.add_allocation(placer.fleet.nodes[i as usize].node, job, rec);
                     overlay.insert(i, f);
                 }
             }
@@ -202,11 +250,12 @@ pub fn select(
         let fit = evaluate_node(&fit_only, n, &free, shape)?;
         overlay.insert(idx, take(n.node, &free, shape, &fit.units));
     }
-    if chosen.is_empty() {
+    if chosen_ids.is_empty() {
         return None;
     }
+    chosen_ids.sort_unstable();
     Some(Preemption {
         for_job: head.id,
-        victims: chosen.into_iter().collect(),
+        victims: chosen_ids,
     })
 }

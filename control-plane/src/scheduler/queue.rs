@@ -16,6 +16,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
+use super::fleet::FastMap;
 use crate::state::{
     ClusterState, DependencyKind, Job, JobId, JobState, MILLI_PER_GPU, Timestamp, YIELD_LIMIT_MS,
     priority_rank,
@@ -103,12 +104,17 @@ impl Ord for Share {
     }
 }
 
+/// A tenant of the queued jobs, by its position among them in name order: ids compare as the
+/// names do, and the pass looks its tenants' shares, weights and limits up by position instead
+/// of comparing names (strings on the heap) for every job.
+pub type TenantId = u32;
+
 struct Level<'a> {
     /// Level 3: one FIFO by eligibility time.
-    fifo: VecDeque<&'a Job>,
-    /// Levels 0–2: per-tenant FIFOs and a heap of tenants by fair share.
-    tenants: BTreeMap<&'a str, VecDeque<&'a Job>>,
-    heap: BinaryHeap<Reverse<(Share, &'a str)>>,
+    fifo: VecDeque<(&'a Job, TenantId)>,
+    /// Levels 0–2: per-tenant FIFOs (by tenant id) and a heap of tenants by fair share.
+    tenants: Vec<VecDeque<&'a Job>>,
+    heap: BinaryHeap<Reverse<(Share, TenantId)>>,
 }
 
 /// The pending queue of one pass, served in order by `next`; `charge` tells it what a tenant
@@ -116,8 +122,8 @@ struct Level<'a> {
 pub struct Queue<'a> {
     levels: Vec<Level<'a>>,
     /// GPU-seconds per unit of weight, per tenant.
-    shares: BTreeMap<&'a str, f64>,
-    weights: BTreeMap<&'a str, f64>,
+    shares: Vec<f64>,
+    weights: Vec<f64>,
     current: usize,
 }
 
@@ -154,16 +160,14 @@ impl<'a> Queue<'a> {
         for tenant in state.index.tenant_running.keys() {
             *usage.entry(tenant.as_str()).or_default() += state.running_gpu_seconds(tenant, now);
         }
-        let mut weights = BTreeMap::new();
-        let mut shares = BTreeMap::new();
-        let mut levels = Vec::new();
+        // The jobs each level keeps, highest level first, and their tenants: numbered as met,
+        // then renumbered in name order.
+        let mut kept: Vec<(usize, Vec<(Timestamp, &'a Job)>)> = Vec::new();
         let mut budget = limit;
+        let mut first_seen: FastMap<&'a str, u32> = FastMap::default();
+        let mut met: Vec<&'a str> = Vec::new();
+        let mut seen_ids: Vec<Vec<u32>> = Vec::new();
         for (lvl, mut jobs) in by_level.into_iter().enumerate().rev() {
-            let mut level = Level {
-                fifo: VecDeque::new(),
-                tenants: BTreeMap::new(),
-                heap: BinaryHeap::new(),
-            };
             if lvl == AGED_LEVEL as usize {
                 jobs.sort_unstable_by_key(|(since, j)| (*since, j.id));
             } else {
@@ -171,24 +175,60 @@ impl<'a> Queue<'a> {
             }
             jobs.truncate(budget);
             budget -= jobs.len();
-            for (_, job) in jobs {
+            let mut ids = Vec::with_capacity(jobs.len());
+            for (_, job) in &jobs {
+                let tenant = job.spec.tenant.as_str();
+                let id = *first_seen.entry(tenant).or_insert_with(|| {
+                    met.push(tenant);
+                    (met.len() - 1) as u32
+                });
+                ids.push(id);
+            }
+            seen_ids.push(ids);
+            kept.push((lvl, jobs));
+        }
+        let mut by_name: Vec<u32> = (0..met.len() as u32).collect();
+        by_name.sort_unstable_by_key(|&i| met[i as usize]);
+        let mut id_of = vec![0 as TenantId; met.len()];
+        for (id, &i) in by_name.iter().enumerate() {
+            id_of[i as usize] = id as TenantId;
+        }
+        let names: Vec<&str> = by_name.iter().map(|&i| met[i as usize]).collect();
+        let weights: Vec<f64> = names
+            .iter()
+            .map(|&tenant| {
+                state
+                    .tenants
+                    .get(tenant)
+                    .map_or(1.0, |t| f64::from(t.weight.max(1)))
+            })
+            .collect();
+        let shares: Vec<f64> = names
+            .iter()
+            .zip(&weights)
+            .map(|(&tenant, w)| usage.get(tenant).copied().unwrap_or(0.0) / w)
+            .collect();
+        let mut levels = Vec::with_capacity(kept.len());
+        for ((lvl, jobs), ids) in kept.into_iter().zip(seen_ids) {
+            let mut level = Level {
+                fifo: VecDeque::new(),
+                tenants: vec![VecDeque::new(); names.len()],
+                heap: BinaryHeap::new(),
+            };
+            for ((_, job), seen) in jobs.into_iter().zip(ids) {
+                let tenant = id_of[seen as usize];
                 if lvl == AGED_LEVEL as usize {
-                    level.fifo.push_back(job);
+                    level.fifo.push_back((job, tenant));
                 } else {
-                    let tenant = job.spec.tenant.as_str();
-                    level.tenants.entry(tenant).or_default().push_back(job);
-                    weights.entry(tenant).or_insert_with(|| {
-                        state
-                            .tenants
-                            .get(tenant)
-                            .map_or(1.0, |t| f64::from(t.weight.max(1)))
-                    });
+                    level.tenants[tenant as usize].push_back(job);
                 }
             }
-            for &tenant in level.tenants.keys() {
-                let share = usage.get(tenant).copied().unwrap_or(0.0) / weights[tenant];
-                shares.insert(tenant, share);
-                level.heap.push(Reverse((Share(share), tenant)));
+            for (tenant, jobs) in level.tenants.iter().enumerate() {
+                if !jobs.is_empty() {
+                    level
+                        .heap
+                        .push(Reverse((Share(shares[tenant]), tenant as TenantId)));
+                }
             }
             levels.push(level);
         }
@@ -202,24 +242,29 @@ impl<'a> Queue<'a> {
 
     /// The next job to consider, or None when the queue is served.
     pub fn next_job(&mut self) -> Option<&'a Job> {
+        self.next_with_tenant().map(|(job, _)| job)
+    }
+
+    /// The next job to consider and its tenant's id, or None when the queue is served.
+    pub fn next_with_tenant(&mut self) -> Option<(&'a Job, TenantId)> {
         while let Some(level) = self.levels.get_mut(self.current) {
-            if let Some(job) = level.fifo.pop_front() {
-                return Some(job);
+            if let Some(entry) = level.fifo.pop_front() {
+                return Some(entry);
             }
             while let Some(Reverse((Share(s), tenant))) = level.heap.pop() {
                 // Stale heap entry: the tenant was charged since it was pushed.
-                let current = self.shares.get(tenant).copied().unwrap_or(0.0);
+                let current = self.shares[tenant as usize];
                 if s < current {
                     level.heap.push(Reverse((Share(current), tenant)));
                     continue;
                 }
-                let queue = level.tenants.get_mut(tenant)?;
+                let queue = &mut level.tenants[tenant as usize];
                 let job = queue.pop_front();
                 if !queue.is_empty() {
                     level.heap.push(Reverse((Share(current), tenant)));
                 }
                 if let Some(job) = job {
-                    return Some(job);
+                    return Some((job, tenant));
                 }
             }
             self.current += 1;
@@ -227,9 +272,14 @@ impl<'a> Queue<'a> {
         None
     }
 
+    /// How many tenants the queued jobs have (ids are below this).
+    pub fn tenants(&self) -> usize {
+        self.shares.len()
+    }
+
     /// A tenant received `gpu_seconds` of expected use in this pass.
-    pub fn charge(&mut self, tenant: &'a str, gpu_seconds: f64) {
-        let w = self.weights.get(tenant).copied().unwrap_or(1.0);
-        *self.shares.entry(tenant).or_default() += gpu_seconds / w;
+    pub fn charge(&mut self, tenant: TenantId, gpu_seconds: f64) {
+        let t = tenant as usize;
+        self.shares[t] += gpu_seconds / self.weights[t];
     }
 }

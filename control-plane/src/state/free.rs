@@ -96,8 +96,17 @@ impl NodeFree {
 
     fn apply_gpus(&mut self, node: &Node, rec: &AllocationRecord, give_back: bool) {
         let a = &rec.allocation;
+        let gpus = &node.spec.gpus;
+        // An allocation usually lists its GPUs in position order: each search starts after the
+        // last match and wraps around, so a task's GPUs cost about one comparison each rather
+        // than a scan from the first GPU (UUIDs are unique on a node: the match is the same).
+        let mut next = 0;
         for uuid in &a.gpus {
-            if let Some(pos) = node.spec.gpus.iter().position(|g| &g.uuid == uuid) {
+            let found = (next..gpus.len())
+                .chain(0..next)
+                .find(|&p| gpus[p].uuid == *uuid);
+            if let Some(pos) = found {
+                next = pos + 1;
                 if pos >= MAX_GPUS {
                     continue;
                 }

@@ -211,8 +211,29 @@ impl ClusterState {
     }
 
     /// Pending jobs, in id order.
+    ///
+    /// Pending jobs are usually the newest, their ids close together: then the job records
+    /// between the first and the last pending id are walked in order alongside the pending
+    /// set (comparing keys only), instead of searching the job map from its root for each one
+    /// (a scheduling pass reads every pending job). Scattered ids are looked up one by one.
     pub fn pending_jobs(&self) -> impl Iterator<Item = &Job> {
-        self.index.pending.iter().filter_map(|id| self.jobs.get(id))
+        let pending = &self.index.pending;
+        let dense = match (pending.first(), pending.last()) {
+            (Some(&first), Some(&last)) => (last - first) / 4 < pending.len() as u64,
+            _ => false,
+        };
+        let mut walk = dense.then(|| {
+            let first = pending.first().copied().unwrap_or_default();
+            let last = pending.last().copied().unwrap_or_default();
+            self.jobs.range(first..=last).peekable()
+        });
+        pending.iter().filter_map(move |id| match &mut walk {
+            Some(walk) => {
+                while walk.next_if(|(k, _)| *k < id).is_some() {}
+                walk.next_if(|(k, _)| *k == id).map(|(_, job)| job)
+            }
+            None => self.jobs.get(id),
+        })
     }
 
     /// Milli-GPU of one GPU taken by shares (0 when none).

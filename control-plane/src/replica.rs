@@ -42,7 +42,7 @@ pub struct Replica {
     clock: Clock,
     /// Channels to the leader (by address) for forwarded calls; connections are reused.
     leader_channels: Mutex<HashMap<String, Channel>>,
-    /// Where writes queue to share log entries (started with the replica's clock).
+    /// Where writes queue to share log entries.
     group_commit: GroupCommit,
 }
 
@@ -106,6 +106,8 @@ impl Clock {
 }
 
 impl Replica {
+    /// A replica over `raft` and `sm`, stamping with `clock`; starts the task that proposes
+    /// queued writes (`group_commit`), so it must be called on a tokio runtime.
     pub fn new(
         id: NodeId,
         cluster: String,
@@ -113,8 +115,9 @@ impl Replica {
         raft: Raft,
         sm: StateMachineStore,
         committed: Arc<AtomicU64>,
+        clock: Clock,
     ) -> Replica {
-        let raft_for_writes = raft.clone();
+        let group_commit = GroupCommit::start(id, raft.clone(), clock);
         Replica {
             id,
             cluster,
@@ -122,17 +125,10 @@ impl Replica {
             raft,
             sm,
             committed,
-            clock: Clock::System,
+            clock,
             leader_channels: Mutex::new(HashMap::new()),
-            group_commit: GroupCommit::start(id, raft_for_writes, Clock::System),
+            group_commit,
         }
-    }
-
-    /// Replaces the wall clock (the deterministic simulation's clock).
-    pub fn with_clock(mut self, clock: Clock) -> Replica {
-        self.clock = clock;
-        self.group_commit = GroupCommit::start(self.id, self.raft.clone(), clock);
-        self
     }
 
     /// This replica's notion of now, in ms since the Unix epoch.

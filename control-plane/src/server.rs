@@ -23,7 +23,7 @@ use crate::raft::log_store::LogStore;
 use crate::raft::network::{PeerNetwork, lazy_channel};
 use crate::raft::peer_service::PeerService;
 use crate::raft::state_machine::StateMachineStore;
-use crate::replica::Replica;
+use crate::replica::{Clock, Replica};
 use proto::agent::agent_api_server::AgentApiServer;
 
 /// Raft messages can carry snapshot chunks and batches of entries.
@@ -58,6 +58,7 @@ pub async fn run(
         raft.clone(),
         sm,
         committed,
+        Clock::System,
     ));
     tracing::info!(
         id = config.id,

@@ -161,21 +161,19 @@ impl SimCluster {
             from: id,
         };
         let raft = Raft::new(id, config, network, log, sm.clone()).await?;
-        let replica = Arc::new(
-            Replica::new(
-                id,
-                self.name.clone(),
-                format!("sim-{id}"),
-                raft.clone(),
-                sm,
-                committed,
-            )
-            .with_clock(Clock::Simulated {
+        let replica = Arc::new(Replica::new(
+            id,
+            self.name.clone(),
+            format!("sim-{id}"),
+            raft.clone(),
+            sm,
+            committed,
+            Clock::Simulated {
                 epoch_ms: self.epoch_ms,
                 origin: self.clock_origin,
                 skew_ms,
-            }),
-        );
+            },
+        ));
         let liveness = Arc::new(Liveness::default());
         let leader_task = crate::leader::spawn(
             replica.clone(),

@@ -53,17 +53,24 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The API's `NotLeader` for openraft's hint of who leads (the API layer forwards to it).
+pub(crate) fn not_leader(
+    f: &openraft::error::ForwardToLeader<NodeId, openraft::BasicNode>,
+) -> ApiError {
+    ApiError::NotLeader {
+        leader: f
+            .leader_id
+            .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
+    }
+}
+
 /// Maps openraft's error for a refused or failed write on replica `id` to the API's error.
 pub(crate) fn client_write_error(
     id: NodeId,
     e: RaftError<NodeId, ClientWriteError<NodeId, openraft::BasicNode>>,
 ) -> ApiError {
     if let Some(f) = e.forward_to_leader() {
-        return ApiError::NotLeader {
-            leader: f
-                .leader_id
-                .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
-        };
+        return not_leader(f);
     }
     match e {
         RaftError::APIError(ClientWriteError::ChangeMembershipError(c)) => {
@@ -155,11 +162,7 @@ impl Replica {
             Ok(_) => Ok(()),
             Err(e) => {
                 if let Some(f) = e.forward_to_leader() {
-                    return Err(ApiError::NotLeader {
-                        leader: f
-                            .leader_id
-                            .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
-                    });
+                    return Err(not_leader(f));
                 }
                 Err(ApiError::Unavailable(format!(
                     "replica {} cannot confirm leadership: {e}",

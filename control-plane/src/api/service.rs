@@ -594,11 +594,7 @@ where
         + openraft::TryAsRef<openraft::error::ForwardToLeader<NodeId, openraft::BasicNode>>,
 {
     if let Some(f) = e.forward_to_leader() {
-        return ApiError::NotLeader {
-            leader: f
-                .leader_id
-                .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
-        };
+        return crate::replica::not_leader(f);
     }
     ApiError::Rejected(Rejection::precondition(format!(
         "membership change on replica {} failed: {e}",

@@ -263,12 +263,13 @@ fn read_error<E: std::error::Error + 'static>(meta: Option<&Meta>, e: &E) -> Sto
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     #[tracing::instrument(level = "info", skip_all, name = "raft.build_snapshot")]
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        // Serialize under the read lock (applies wait, readers do not) into memory, in chunks;
-        // store them after the lock is released, freeing each as it is stored. Storing while
-        // serializing would keep the snapshot from being whole in memory next to the state,
-        // but sled stores a chunk more slowly than serde_json writes one: applies would wait
-        // two to three times as long (`gpuctl bench memory`, `snapshot_locked_seconds`).
-        let (meta, encoded, offset, locked) = {
+        // Copy the state under the read lock (applies wait, readers do not): the large maps
+        // share their records with the live state (`CowMap`), so the copy takes a pointer per
+        // record and applies go on while it is serialized. Serialize into memory, in chunks,
+        // then store them, freeing each as it is stored: sled stores a chunk more slowly than
+        // serde_json writes one. Both run on a blocking thread: at a million job records they
+        // take seconds of CPU that the runtime's workers need for Raft.
+        let (meta, copy, locked) = {
             let data = self.read();
             let locked_at = std::time::Instant::now();
             let seq = self.shared.snapshot_seq.fetch_add(1, Ordering::Relaxed);
@@ -281,29 +282,23 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
                 last_membership: data.last_membership.clone(),
                 snapshot_id,
             };
-            let mut encoded = ChunkedBuf::default();
-            let offset = write_header(&mut encoded, &meta).map_err(|e| write_error(&meta, &e))?;
-            serde_json::to_writer(&mut encoded, &*data)
-                .map_err(|e| StorageIOError::read_state_machine(&e))?;
-            (meta, encoded, offset, locked_at.elapsed())
+            let copy = StateMachineData {
+                last_applied: data.last_applied,
+                last_membership: data.last_membership.clone(),
+                cluster: data.cluster.snapshot_copy(),
+            };
+            (meta, copy, locked_at.elapsed())
         };
-        let mut writer = self
-            .shared
-            .snapshots
-            .writer()
-            .map_err(|e| write_error(&meta, &e))?;
-        let len = encoded.len();
-        encoded
-            .store_into(&mut writer)
-            .map_err(|e| write_error(&meta, &e))?;
         self.shared
             .snapshot_locked_us
             .store(locked.as_micros() as u64, Ordering::Relaxed);
-        let stored = writer.finish().map_err(|e| write_error(&meta, &e))?;
-        let bytes = stored.len();
-        debug_assert_eq!(bytes, len);
-        // What openraft sends to followers is the state's JSON alone, read from the store.
-        let data = SnapshotData::stored(stored, offset).map_err(|e| write_error(&meta, &e))?;
+        let shared = self.shared.clone();
+        let build_meta = meta.clone();
+        let built =
+            tokio::task::spawn_blocking(move || serialize_and_store(&shared, &build_meta, copy))
+                .await
+                .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
+        let (data, bytes) = built?;
         release_freed_memory();
         tracing::info!(
             bytes,
@@ -316,6 +311,35 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             snapshot: Box::new(data),
         })
     }
+}
+
+/// Serializes a snapshot's copy of the state and stores it; returns what openraft sends to
+/// followers (the state's JSON alone, read from the store) and the stored length.
+fn serialize_and_store(
+    shared: &Shared,
+    meta: &Meta,
+    copy: StateMachineData,
+) -> Result<(SnapshotData, u64), StorageError> {
+    let mut encoded = ChunkedBuf::default();
+    let offset = write_header(&mut encoded, meta).map_err(|e| write_error(meta, &e))?;
+    serde_json::to_writer(&mut encoded, &copy)
+        .map_err(|e| StorageIOError::read_state_machine(&e))?;
+    // The copy's records are released now, not after storing: records the state changed
+    // meanwhile exist twice until then.
+    drop(copy);
+    let mut writer = shared
+        .snapshots
+        .writer()
+        .map_err(|e| write_error(meta, &e))?;
+    let len = encoded.len();
+    encoded
+        .store_into(&mut writer)
+        .map_err(|e| write_error(meta, &e))?;
+    let stored = writer.finish().map_err(|e| write_error(meta, &e))?;
+    let bytes = stored.len();
+    debug_assert_eq!(bytes, len);
+    let data = SnapshotData::stored(stored, offset).map_err(|e| write_error(meta, &e))?;
+    Ok((data, bytes))
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachineStore {

@@ -7,6 +7,7 @@ mod apply;
 #[cfg(test)]
 mod apply_tests;
 pub mod command;
+pub mod cow_map;
 pub mod free;
 #[cfg(test)]
 mod proptests;
@@ -22,6 +23,7 @@ pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use command::{
     Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
 };
+pub use cow_map::CowMap;
 pub use retention::spec_fingerprint;
 pub use types::*;
 
@@ -39,8 +41,8 @@ pub struct AllocationRecord {
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClusterState {
-    pub nodes: BTreeMap<String, Node>,
-    pub jobs: BTreeMap<JobId, Job>,
+    pub nodes: CowMap<String, Node>,
+    pub jobs: CowMap<JobId, Job>,
     pub allocations: BTreeMap<AllocationId, AllocationRecord>,
     /// GPU UUID → the live allocation holding it. Kept in step with `allocations` by `apply`;
     /// an index so that the double-booking check is a lookup, not a scan.
@@ -63,7 +65,7 @@ pub struct ClusterState {
     /// A job is in `jobs` or here, never both; past the archive's own retention it is in
     /// neither (its id is still at most `last_job_id`, so "never existed" stays answerable).
     #[serde(default)]
-    pub archived: BTreeMap<JobId, ArchivedJob>,
+    pub archived: CowMap<JobId, ArchivedJob>,
     /// Derived indexes, rebuilt from the data above after a snapshot is loaded
     /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
     #[serde(skip)]
@@ -133,6 +135,31 @@ pub struct Applied {
 }
 
 impl ClusterState {
+    /// The replicated data without the derived indexes, copied in a moment for a snapshot:
+    /// the large maps share their records with the state ([`CowMap`]), so the copy costs a
+    /// pointer per record, and serializing it can happen after the state's lock is released
+    /// while applies go on. Every field is named (no `..`), so a new field cannot be left out
+    /// of snapshots by accident.
+    pub fn snapshot_copy(&self) -> ClusterState {
+        ClusterState {
+            nodes: self.nodes.clone(),
+            jobs: self.jobs.clone(),
+            allocations: self.allocations.clone(),
+            gpu_holder: self.gpu_holder.clone(),
+            gpu_node: self.gpu_node.clone(),
+            idempotency: self.idempotency.clone(),
+            tenants: self.tenants.clone(),
+            partitions: self.partitions.clone(),
+            last_job_id: self.last_job_id,
+            last_allocation_id: self.last_allocation_id,
+            last_applied_at: self.last_applied_at,
+            tenant_usage: self.tenant_usage.clone(),
+            archived: self.archived.clone(),
+            index: Indexes::default(),
+            cascaded: Vec::new(),
+        }
+    }
+
     pub fn job(&self, id: JobId) -> Option<&Job> {
         self.jobs.get(&id)
     }
@@ -383,7 +410,7 @@ impl ClusterState {
 /// Adds (or with `add == false` removes) an allocation's entries in the derived indexes.
 pub(crate) fn index_allocation(
     index: &mut Indexes,
-    jobs: &BTreeMap<JobId, Job>,
+    jobs: &CowMap<JobId, Job>,
     allocation: &Allocation,
     add: bool,
 ) {

@@ -158,6 +158,7 @@ impl RecordLog {
             sync_dir(&dir).map_err(io_err("sync state directory", &dir))?;
         }
         log.reopen().map_err(io_err("open record log", &log.path))?;
+        remove_leftover_temporaries(layout.root());
         let records = log.records.values().cloned().collect();
         Ok((log, records))
     }
@@ -271,6 +272,22 @@ impl RecordLog {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         self.dir_unsynced = sync_dir(dir).is_err();
         self.reopen()
+    }
+}
+
+/// Removes the temporary files of compactions interrupted by a crash
+/// (`allocations.log.tmp.<pid>`; see `write_atomic`). The runtime holds the state-directory
+/// lock, so no compaction is in progress.
+fn remove_leftover_temporaries(root: &Path) {
+    for entry in fs::read_dir(root).into_iter().flatten().flatten() {
+        if entry
+            .file_name()
+            .to_str()
+            .is_some_and(|name| name.starts_with("allocations.log.tmp."))
+            && let Err(e) = fs::remove_file(entry.path())
+        {
+            tracing::warn!(path = %entry.path().display(), error = %e, "cannot remove a leftover temporary file");
+        }
     }
 }
 
@@ -600,7 +617,10 @@ mod tests {
         let text = fs::read_to_string(layout.record_log()).expect("read");
         assert_eq!(text.lines().count(), expected.len());
         assert_eq!(log.lines, expected.len());
-        // No temporary files left behind.
+        // No temporary files left behind, nor kept from a compaction a crash interrupted.
+        drop(log);
+        fs::write(layout.root().join("allocations.log.tmp.99999"), "x").expect("write");
+        let (_log, _) = open(&layout);
         let names: Vec<String> = fs::read_dir(layout.root())
             .expect("ls")
             .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())

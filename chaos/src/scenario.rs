@@ -378,20 +378,33 @@ async fn drive(
                 record,
             });
         }
-        let records_dir = a.state_dir.join("runtime").join("allocations");
-        for entry in std::fs::read_dir(&records_dir)
+        // Exit files: `runtime/logs/<id>/exit.json`, kept after the allocation is forgotten;
+        // a shim started by an agent before the record log wrote
+        // `runtime/allocations/<id>.exit.json` (deleted once forgotten).
+        let runtime_dir = a.state_dir.join("runtime");
+        let mut exit_files: Vec<(u64, std::path::PathBuf)> = Vec::new();
+        for entry in std::fs::read_dir(runtime_dir.join("logs"))
             .into_iter()
             .flatten()
             .flatten()
         {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(id) = name.strip_suffix(".exit.json") else {
-                continue;
-            };
-            let Ok(allocation) = id.parse::<u64>() else {
-                continue;
-            };
-            let Ok(text) = std::fs::read_to_string(entry.path()) else {
+            if let Ok(allocation) = name.parse::<u64>() {
+                exit_files.push((allocation, entry.path().join("exit.json")));
+            }
+        }
+        for entry in std::fs::read_dir(runtime_dir.join("allocations"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(Ok(allocation)) = name.strip_suffix(".exit.json").map(str::parse::<u64>) {
+                exit_files.push((allocation, entry.path()));
+            }
+        }
+        for (allocation, path) in exit_files {
+            let Ok(text) = std::fs::read_to_string(&path) else {
                 continue;
             };
             let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {

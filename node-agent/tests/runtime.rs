@@ -785,3 +785,118 @@ fn the_agent_on_a_host_without_a_driver_names_the_missing_library() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("libnvidia-ml.so.1"), "{stderr}");
 }
+
+/// Names in a directory, sorted; empty if it does not exist.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn records_go_to_one_log_and_exit_files_stay_with_the_logs() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let work = tempfile::tempdir().expect("tempdir");
+    let mut rt = Runtime::open(config(state.path())).expect("open");
+    let ids: Vec<u64> = (100..112).collect();
+    for &id in &ids {
+        let script = format!("exit {}", id % 7);
+        rt.launch(spec(id, &["GPU-a"], work.path(), &script))
+            .expect("launch");
+        let (kind, _) = wait_for_exit(&mut rt, id);
+        assert_eq!(
+            kind,
+            ExitKind::Exited {
+                code: (id % 7) as i32
+            }
+        );
+        rt.forget(id).expect("forget");
+    }
+
+    // No per-allocation record files, no temporary files: the state directory holds the
+    // same few files however many jobs ran.
+    assert_eq!(
+        names_in(&state.path().join("allocations")),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        names_in(state.path()),
+        ["allocations.log", "gpu-usage.jsonl", "logs", "runtime.lock"]
+    );
+    // Three puts (launching, pid recorded, exit) and a tombstone per allocation.
+    let log = fs::read_to_string(state.path().join("allocations.log")).expect("record log");
+    assert_eq!(log.lines().count(), 4 * ids.len());
+    for &id in &ids {
+        let dir = state.path().join("logs").join(id.to_string());
+        assert_eq!(names_in(&dir), ["exit.json", "stderr", "stdout"], "{id}");
+        let exit: serde_json::Value =
+            serde_json::from_slice(&fs::read(dir.join("exit.json")).expect("exit file"))
+                .expect("json");
+        assert_eq!(exit["status"], "exited");
+        assert_eq!(exit["code"], id % 7);
+    }
+
+    // All forgotten: nothing comes back, and opening compacted the log to nothing.
+    drop(rt);
+    let mut rt = Runtime::open(config(state.path())).expect("reopen");
+    assert!(rt.poll().is_empty());
+    assert_eq!(
+        fs::read_to_string(state.path().join("allocations.log")).expect("record log"),
+        ""
+    );
+}
+
+#[test]
+fn an_agent_upgraded_from_per_file_records_readopts_the_running_process() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let work = tempfile::tempdir().expect("tempdir");
+    let script = "echo started >> \"$WORK/marker\"; \
+                  while [ ! -e \"$WORK/release\" ]; do sleep 0.05; done; exit 4";
+    let mut rt = Runtime::open(config(state.path())).expect("open");
+    rt.launch(spec(60, &["GPU-a"], work.path(), script))
+        .expect("launch");
+    let pid = rt.pid(60).expect("live");
+    drop(rt);
+
+    // Turn the state directory into what an agent before the record log left: the record
+    // as `allocations/60.json`, no log.
+    let log_path = state.path().join("allocations.log");
+    let log = fs::read_to_string(&log_path).expect("record log");
+    let last = log.lines().last().expect("a line");
+    let (_checksum, json) = last.split_once(' ').expect("checksum and json");
+    let line: serde_json::Value = serde_json::from_str(json).expect("json");
+    let record = &line["put"];
+    assert_eq!(record["shim_pid"], pid);
+    fs::create_dir(state.path().join("allocations")).expect("mkdir");
+    fs::write(
+        state.path().join("allocations").join("60.json"),
+        serde_json::to_vec_pretty(record).expect("encode"),
+    )
+    .expect("write");
+    fs::remove_file(&log_path).expect("rm");
+
+    let mut rt = Runtime::open(config(state.path())).expect("reopen");
+    assert_eq!(rt.live(), vec![60]);
+    assert_eq!(rt.pid(60), Some(pid), "re-adopted, not restarted");
+    assert_eq!(
+        names_in(&state.path().join("allocations")),
+        Vec::<String>::new()
+    );
+    fs::write(work.path().join("release"), "").expect("release");
+    let (kind, _) = wait_for_exit(&mut rt, 60);
+    assert_eq!(kind, ExitKind::Exited { code: 4 });
+    assert_eq!(
+        fs::read_to_string(work.path().join("marker")).expect("marker"),
+        "started\n",
+        "the command ran exactly once"
+    );
+    drop(rt);
+    // The exit is in the log now (not forgotten): reported again after a restart.
+    let mut rt = Runtime::open(config(state.path())).expect("third open");
+    let events = rt.poll();
+    assert_eq!(exits_of(&events, 60), 1, "{events:?}");
+}

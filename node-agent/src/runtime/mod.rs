@@ -10,6 +10,7 @@
 //! - `supervisor.rs`: [`Runtime`], the state machine over processes and records;
 //! - `shim.rs`: [`shim_main`], the per-allocation supervisor process;
 //! - `record.rs`: the on-disk layout and records, and exit classification;
+//! - `record_log.rs`: the append-only log the records are kept in;
 //! - `env.rs`: the command's environment ([`command_env`]) and spec validation;
 //! - `journal.rs`: the GPU usage journal and its overlap checker;
 //! - `ledger.rs`: the rule both the launch check and the checker apply: whole GPUs, shares of a
@@ -18,13 +19,15 @@
 //!
 //! Process model: `agent ─spawn→ shim (session + process group leader) ─spawn→ command`.
 //! The shim outlives the agent and writes the command's exit status to an exit file; the
-//! runtime finds its processes again from per-allocation records (pid + start time).
+//! runtime finds its processes again from per-allocation records (pid + start time), kept
+//! in one append-only log.
 
 mod env;
 mod journal;
 mod ledger;
 pub(crate) mod process;
 mod record;
+mod record_log;
 mod shim;
 mod supervisor;
 mod types;

@@ -5,11 +5,18 @@
 //! Layout under `state_dir`:
 //! ```text
 //! runtime.lock                     flock held by the one runtime using this directory
-//! allocations/<id>.json            AllocationRecord (runtime-owned)
-//! allocations/<id>.exit.json       ShimExitRecord (shim-owned; written once, atomically)
+//! allocations.log                  AllocationRecords, one appended line per change (runtime-
+//!                                  owned; record_log.rs)
 //! logs/<id>/stdout, logs/<id>/stderr
+//! logs/<id>/exit.json              ShimExitRecord (shim-owned; written once, atomically; kept
+//!                                  with the logs after the allocation is forgotten)
 //! gpu-usage.jsonl                  GPU usage journal (journal.rs)
 //! ```
+//!
+//! Agents before the record log kept one file per allocation, `allocations/<id>.json`, and
+//! had their shims write `allocations/<id>.exit.json`. `RecordLog::open` moves such records
+//! into the log; the runtime still looks for the exit file there when the new one is absent,
+//! since a shim started by an older agent keeps the path it was given.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -41,14 +48,23 @@ impl Layout {
     pub(crate) fn lock(&self) -> PathBuf {
         self.root.join("runtime.lock")
     }
-    pub(crate) fn records_dir(&self) -> PathBuf {
+    pub(crate) fn record_log(&self) -> PathBuf {
+        self.root.join("allocations.log")
+    }
+    /// Where the shim writes how the command ended.
+    pub(crate) fn exit_file(&self, id: u64) -> PathBuf {
+        self.log_dir(id).join("exit.json")
+    }
+    /// The directory of the per-file records of agents before the record log.
+    pub(crate) fn legacy_records_dir(&self) -> PathBuf {
         self.root.join("allocations")
     }
-    pub(crate) fn record(&self, id: u64) -> PathBuf {
-        self.records_dir().join(format!("{id}.json"))
+    pub(crate) fn legacy_record(&self, id: u64) -> PathBuf {
+        self.legacy_records_dir().join(format!("{id}.json"))
     }
-    pub(crate) fn exit_file(&self, id: u64) -> PathBuf {
-        self.records_dir().join(format!("{id}.exit.json"))
+    /// Where the shims of agents before the record log write their exit file.
+    pub(crate) fn legacy_exit_file(&self, id: u64) -> PathBuf {
+        self.legacy_records_dir().join(format!("{id}.exit.json"))
     }
     pub(crate) fn log_dir(&self, id: u64) -> PathBuf {
         self.root.join("logs").join(id.to_string())
@@ -64,14 +80,12 @@ impl Layout {
     }
 
     pub(crate) fn create_dirs(&self) -> Result<(), RuntimeError> {
-        for dir in [self.records_dir(), self.root.join("logs")] {
-            fs::create_dir_all(&dir).map_err(|source| RuntimeError::Io {
-                action: "create state directory",
-                path: dir.clone(),
-                source,
-            })?;
-        }
-        Ok(())
+        let dir = self.root.join("logs");
+        fs::create_dir_all(&dir).map_err(|source| RuntimeError::Io {
+            action: "create state directory",
+            path: dir,
+            source,
+        })
     }
 }
 
@@ -157,6 +171,14 @@ pub(crate) struct ShimExitRecord {
 /// write a temporary file in the same directory, fsync it, rename it over `path`, fsync the
 /// directory (so the rename itself survives a power loss).
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    replace_file(path, bytes)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// [`write_atomic`] without the final directory sync: once this returns `Ok`, `path` names
+/// the new content (not yet durably, until the directory is synced); on `Err` it still names
+/// the old content.
+pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
@@ -176,8 +198,7 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
             .open(&tmp)?;
         file.write_all(bytes)?;
         file.sync_all()?;
-        fs::rename(&tmp, path)?;
-        sync_dir(dir)
+        fs::rename(&tmp, path)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -187,20 +208,6 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 
 pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
-}
-
-pub(crate) fn store_record(layout: &Layout, record: &AllocationRecord) -> Result<(), RuntimeError> {
-    let path = layout.record(record.id());
-    let bytes = serde_json::to_vec_pretty(record).map_err(|e| RuntimeError::Io {
-        action: "encode state record",
-        path: path.clone(),
-        source: io::Error::other(e),
-    })?;
-    write_atomic(&path, &bytes).map_err(|source| RuntimeError::Io {
-        action: "write state record",
-        path,
-        source,
-    })
 }
 
 /// Removes a file that may already be gone (forget is idempotent).
@@ -216,16 +223,24 @@ pub(crate) fn remove_if_present(path: &Path) -> Result<(), RuntimeError> {
     }
 }
 
-/// Loads every allocation record. A record that cannot be read fails the whole load: the
-/// runtime would otherwise lose track of a process that may still run and could later start
-/// the same allocation twice (invariant 3), so a person has to look at it.
+/// Loads every per-file allocation record (`allocations/<id>.json`, the layout of agents
+/// before the record log; none if the directory does not exist). A record that cannot be
+/// read fails the whole load: the runtime would otherwise lose track of a process that may
+/// still run and could later start the same allocation twice (invariant 3), so a person has
+/// to look at it. The record log applies the same rule to its lines.
 pub(crate) fn load_records(layout: &Layout) -> Result<Vec<AllocationRecord>, RuntimeError> {
-    let dir = layout.records_dir();
-    let entries = fs::read_dir(&dir).map_err(|source| RuntimeError::Io {
-        action: "list state records in",
-        path: dir.clone(),
-        source,
-    })?;
+    let dir = layout.legacy_records_dir();
+    let entries = match fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(RuntimeError::Io {
+                action: "list state records in",
+                path: dir,
+                source,
+            });
+        }
+    };
     let mut records = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|source| RuntimeError::Io {
@@ -461,24 +476,36 @@ mod tests {
         assert_eq!(back.status, ChildStatus::Exited { code: 3 });
     }
 
+    /// Writes a record the way agents before the record log did.
+    fn store_legacy(layout: &Layout, record: &AllocationRecord) {
+        fs::create_dir_all(layout.legacy_records_dir()).expect("mkdir");
+        let bytes = serde_json::to_vec_pretty(record).expect("encode");
+        write_atomic(&layout.legacy_record(record.id()), &bytes).expect("write");
+    }
+
     #[test]
-    fn load_skips_non_records_and_rejects_corrupt_ones() {
+    fn legacy_load_skips_non_records_and_rejects_corrupt_ones() {
         let dir = tempfile::tempdir().expect("tempdir");
         let layout = Layout::new(dir.path().to_path_buf());
         layout.create_dirs().expect("dirs");
-        store_record(&layout, &record()).expect("store");
-        fs::write(layout.exit_file(12), "{}").expect("write");
-        fs::write(layout.records_dir().join("12.json.tmp.99"), "garbage").expect("write");
+        assert_eq!(load_records(&layout).expect("no legacy directory"), vec![]);
+        store_legacy(&layout, &record());
+        fs::write(layout.legacy_exit_file(12), "{}").expect("write");
+        fs::write(
+            layout.legacy_records_dir().join("12.json.tmp.99"),
+            "garbage",
+        )
+        .expect("write");
         let loaded = load_records(&layout).expect("load");
         assert_eq!(loaded, vec![record()]);
 
-        fs::write(layout.record(13), "{not json").expect("write");
+        fs::write(layout.legacy_record(13), "{not json").expect("write");
         let err = load_records(&layout).expect_err("corrupt record must fail the load");
         assert!(matches!(err, RuntimeError::CorruptRecord { .. }), "{err}");
 
         // A record stored under the wrong name is as suspicious as a corrupt one.
-        fs::remove_file(layout.record(13)).expect("rm");
-        fs::copy(layout.record(12), layout.record(14)).expect("copy");
+        fs::remove_file(layout.legacy_record(13)).expect("rm");
+        fs::copy(layout.legacy_record(12), layout.legacy_record(14)).expect("copy");
         assert!(load_records(&layout).is_err());
     }
 
@@ -489,8 +516,19 @@ mod tests {
         layout.create_dirs().expect("dirs");
         let mut r = record();
         r.format = 99;
-        store_record(&layout, &r).expect("store");
+        store_legacy(&layout, &r);
         assert!(load_records(&layout).is_err());
+    }
+
+    #[test]
+    fn exit_files_live_with_the_logs() {
+        let layout = Layout::new(PathBuf::from("/s"));
+        assert_eq!(layout.exit_file(7), PathBuf::from("/s/logs/7/exit.json"));
+        assert_eq!(
+            layout.legacy_exit_file(7),
+            PathBuf::from("/s/allocations/7.exit.json")
+        );
+        assert_eq!(layout.record_log(), PathBuf::from("/s/allocations.log"));
     }
 
     #[test]

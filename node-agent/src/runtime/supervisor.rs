@@ -22,9 +22,10 @@ use super::journal::{UsageRecord, append_usage};
 use super::ledger::GpuLedger;
 use super::process::{Probe, Reap, now_ms, probe, read_stat, signal_group, try_reap};
 use super::record::{
-    AllocationRecord, Layout, RecordedExit, ShimFate, StopRequest, classify, load_records,
-    read_exit_file, remove_if_present, store_record, sync_dir,
+    AllocationRecord, Layout, RecordedExit, ShimFate, StopRequest, classify, read_exit_file,
+    remove_if_present,
 };
+use super::record_log::RecordLog;
 use super::shim::ShimArgs;
 use super::types::{LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason};
 
@@ -32,8 +33,8 @@ use super::types::{LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopRe
 #[derive(Debug)]
 struct Entry {
     record: AllocationRecord,
-    /// The in-memory record is newer than the file (a write failed); retried every poll.
-    /// The in-memory state keeps driving supervision meanwhile.
+    /// The in-memory record is newer than the record log (an append failed); retried every
+    /// poll. The in-memory state keeps driving supervision meanwhile.
     dirty: bool,
 }
 
@@ -47,6 +48,8 @@ pub struct Runtime {
     layout: Layout,
     /// Holds the state-directory lock (flock) for the runtime's lifetime.
     _lock: File,
+    /// Where every record change goes (`allocations.log`).
+    log: RecordLog,
     entries: BTreeMap<u64, Entry>,
     /// Events produced outside `poll` (launch, open), handed out by the next `poll`.
     pending: Vec<RuntimeEvent>,
@@ -72,11 +75,12 @@ impl Runtime {
                 path: layout.journal(),
                 source,
             })?;
-        let records = load_records(&layout)?;
+        let (log, records) = RecordLog::open(&layout)?;
         let mut runtime = Runtime {
             config,
             layout,
             _lock: lock,
+            log,
             entries: BTreeMap::new(),
             pending: Vec::new(),
         };
@@ -127,7 +131,7 @@ impl Runtime {
     pub fn launch(&mut self, spec: LaunchSpec) -> Result<(), RuntimeError> {
         validate_spec(&spec)?;
         let id = spec.allocation_id;
-        if self.entries.contains_key(&id) || self.layout.record(id).exists() {
+        if self.entries.contains_key(&id) || self.log.contains(id) {
             return Err(RuntimeError::AlreadyKnown(id));
         }
         self.check_gpus_free(&spec)?;
@@ -151,8 +155,13 @@ impl Runtime {
                 source,
             })?;
 
+        // An exit file left by an earlier allocation with this id (forgotten, then the id
+        // came again) would pass for this one's.
+        remove_if_present(&self.layout.exit_file(id))?;
+        remove_if_present(&self.layout.legacy_exit_file(id))?;
+
         let mut record = AllocationRecord::launching(spec, now_ms());
-        store_record(&self.layout, &record)?;
+        self.log.put(&record)?;
 
         let shim_args = ShimArgs {
             await_go: true,
@@ -190,7 +199,9 @@ impl Runtime {
         let mut child = match command.spawn() {
             Ok(child) => child,
             Err(source) => {
-                let _ = remove_if_present(&self.layout.record(id));
+                if let Err(e) = self.log.forget(id) {
+                    tracing::error!(allocation = id, error = %e, "cannot forget the record of a launch whose shim did not start; the next start reports it as vanished");
+                }
                 return Err(RuntimeError::Spawn {
                     allocation: id,
                     program: self.config.shim_program.clone(),
@@ -200,16 +211,20 @@ impl Runtime {
         };
         let pid = child.id();
 
+        let program = &self.config.shim_program;
+        let spawn_error = |source| RuntimeError::Spawn {
+            allocation: id,
+            program: program.clone(),
+            source,
+        };
         let started = (|| {
-            let stat = read_stat(pid)
-                .map_err(|source| self.spawn_error(id, source))?
-                .ok_or_else(|| {
-                    self.spawn_error(id, io::Error::other("the shim exited right after starting"))
-                })?;
+            let stat = read_stat(pid).map_err(spawn_error)?.ok_or_else(|| {
+                spawn_error(io::Error::other("the shim exited right after starting"))
+            })?;
             record.shim_pid = Some(pid);
             record.shim_start_ticks = Some(stat.start_ticks);
             record.started_at_ms = now_ms();
-            store_record(&self.layout, &record)?;
+            self.log.put(&record)?;
             append_usage(
                 &self.layout.journal(),
                 &UsageRecord::Start {
@@ -225,7 +240,7 @@ impl Runtime {
             let mut go = child
                 .stdin
                 .take()
-                .ok_or_else(|| self.spawn_error(id, io::Error::other("no pipe to the shim")))?;
+                .ok_or_else(|| spawn_error(io::Error::other("no pipe to the shim")))?;
             // A shim that died already makes this fail with EPIPE rather than raising
             // SIGPIPE, because Rust programs (the agent, the test harness) ignore SIGPIPE.
             go.write_all(b"G").map_err(|e| {
@@ -239,7 +254,7 @@ impl Runtime {
                         exited_at_ms: None,
                     },
                 );
-                self.spawn_error(id, e)
+                spawn_error(e)
             })
         })();
         if let Err(e) = started {
@@ -402,9 +417,10 @@ impl Runtime {
             .and_then(|e| e.record.shim_pid)
     }
 
-    /// Deletes an exited allocation's record once the control plane has acknowledged its
-    /// exit report, so the exit is not reported again after a restart. Idempotent for
-    /// unknown (already forgotten) ids; refuses a live allocation. Logs are kept.
+    /// Forgets an exited allocation's record (a tombstone in the record log) once the control
+    /// plane has acknowledged its exit report, so the exit is not reported again after a
+    /// restart. Idempotent for unknown (already forgotten) ids; refuses a live allocation.
+    /// Logs and the exit file next to them are kept.
     pub fn forget(&mut self, allocation_id: u64) -> Result<(), RuntimeError> {
         let Some(entry) = self.entries.get(&allocation_id) else {
             return Ok(());
@@ -412,16 +428,12 @@ impl Runtime {
         if entry.record.is_live() {
             return Err(RuntimeError::StillRunning(allocation_id));
         }
-        // Exit file first: if we crash in between, the record (which has the exit) remains
-        // and the exit is reported again, which is the safe direction.
-        remove_if_present(&self.layout.exit_file(allocation_id))?;
-        remove_if_present(&self.layout.record(allocation_id))?;
-        let dir = self.layout.records_dir();
-        sync_dir(&dir).map_err(|source| RuntimeError::Io {
-            action: "sync state directory",
-            path: dir,
-            source,
-        })?;
+        // The exit file of a shim started by an agent before the record log sits among the
+        // old records; it goes as it did then, before the record (if we crash in between, the
+        // record, which has the exit, remains and the exit is reported again: the safe
+        // direction).
+        remove_if_present(&self.layout.legacy_exit_file(allocation_id))?;
+        self.log.forget(allocation_id)?;
         self.entries.remove(&allocation_id);
         self.pending.retain(|event| match event {
             RuntimeEvent::Started {
@@ -447,21 +459,13 @@ impl Runtime {
         self.layout.journal()
     }
 
-    fn spawn_error(&self, allocation: u64, source: io::Error) -> RuntimeError {
-        RuntimeError::Spawn {
-            allocation,
-            program: self.config.shim_program.clone(),
-            source,
-        }
-    }
-
     /// Undoes a launch whose shim was spawned but not released: the command never ran, so
-    /// killing the shim (alone in its new group) and deleting the record leaves no trace.
+    /// killing the shim (alone in its new group) and forgetting the record leaves no trace.
     fn abort_launch(&mut self, id: u64, mut child: Child) {
         drop(child.stdin.take()); // EOF: the shim exits by itself even if kill fails.
         let _ = child.kill();
         let _ = child.wait();
-        if let Err(e) = remove_if_present(&self.layout.record(id)) {
+        if let Err(e) = self.log.forget(id) {
             tracing::error!(allocation = id, error = %e, "cannot remove record of an aborted launch; the next start reports it as vanished");
         }
     }
@@ -505,7 +509,7 @@ impl Runtime {
         let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
-        match store_record(&self.layout, &entry.record) {
+        match self.log.put(&entry.record) {
             Ok(()) => entry.dirty = false,
             Err(e) => {
                 tracing::error!(allocation = id, error = %e, "cannot persist allocation state; will retry");
@@ -542,7 +546,7 @@ impl Runtime {
         let (Some(pid), Some(ticks)) = (record.shim_pid, record.shim_start_ticks) else {
             return;
         };
-        let exit_file = self.layout.exit_file(id);
+        let exit_file = self.exit_file(id);
         match probe(pid, ticks) {
             Probe::Running => {
                 if exit_file.exists() {
@@ -610,9 +614,24 @@ impl Runtime {
         }
     }
 
+    /// Where allocation `id`'s shim writes its exit file: `logs/<id>/exit.json`; when that is
+    /// absent, `allocations/<id>.exit.json` if it exists, which is where a shim started by an
+    /// agent before the record log writes it (launch removes a stale one of either, so what
+    /// is found is this allocation's).
+    fn exit_file(&self, id: u64) -> PathBuf {
+        let current = self.layout.exit_file(id);
+        if !current.exists() {
+            let legacy = self.layout.legacy_exit_file(id);
+            if legacy.exists() {
+                return legacy;
+            }
+        }
+        current
+    }
+
     /// Records an exit whose shim is no longer running (reads its exit file).
     fn settle(&mut self, id: u64, fate: ShimFate, now: u64) {
-        let (exit, fate) = match read_exit_file(&self.layout.exit_file(id)) {
+        let (exit, fate) = match read_exit_file(&self.exit_file(id)) {
             Ok(exit) => (exit, fate),
             Err(message) => (None, ShimFate::UnreadableExitFile(message)),
         };
@@ -757,16 +776,35 @@ mod tests {
         }
     }
 
+    fn store_record(dir: &std::path::Path, record: &AllocationRecord) {
+        let layout = Layout::new(dir.to_path_buf());
+        layout.create_dirs().expect("dirs");
+        let (mut log, _) = RecordLog::open(&layout).expect("open record log");
+        log.put(record).expect("put");
+    }
+
+    /// Exits reported by the next polls, until one comes back empty.
+    fn exits(rt: &mut Runtime) -> Vec<(u64, ExitKind)> {
+        rt.poll()
+            .into_iter()
+            .filter_map(|e| match e {
+                RuntimeEvent::Exited {
+                    allocation_id,
+                    kind,
+                    ..
+                } => Some((allocation_id, kind)),
+                RuntimeEvent::Started { .. } => None,
+            })
+            .collect()
+    }
+
     #[test]
     fn a_launch_interrupted_before_the_pid_was_recorded_is_reported_vanished() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let layout = Layout::new(dir.path().to_path_buf());
-        layout.create_dirs().expect("dirs");
         store_record(
-            &layout,
+            dir.path(),
             &AllocationRecord::launching(spec(5, &["GPU-a"]), 1),
-        )
-        .expect("store");
+        );
 
         let mut rt = Runtime::open(config(dir.path())).expect("open");
         assert!(rt.live().is_empty());
@@ -806,8 +844,85 @@ mod tests {
             "{err}"
         );
         assert!(rt.live().is_empty());
-        assert!(!Layout::new(dir.path().to_path_buf()).record(3).exists());
         assert!(rt.poll().is_empty());
+        // Its launch record was forgotten: nothing comes back after a restart, and the id
+        // can be launched again.
+        drop(rt);
+        let layout = Layout::new(dir.path().to_path_buf());
+        let (_, records) = RecordLog::open(&layout).expect("open record log");
+        assert!(records.is_empty(), "{records:?}");
+        let mut rt = Runtime::open(config(dir.path())).expect("reopen");
+        assert!(rt.poll().is_empty());
+        assert!(matches!(
+            rt.launch(spec(3, &["GPU-a"])),
+            Err(RuntimeError::Spawn { allocation: 3, .. })
+        ));
+    }
+
+    /// A dead pid: a child of the test, already reaped.
+    fn dead_pid() -> u32 {
+        let mut child = Command::new("true").spawn().expect("spawn true");
+        let pid = child.id();
+        child.wait().expect("wait");
+        pid
+    }
+
+    #[test]
+    fn an_allocation_of_an_agent_before_the_record_log_is_settled_from_its_legacy_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layout = Layout::new(dir.path().to_path_buf());
+        fs::create_dir_all(layout.legacy_records_dir()).expect("mkdir");
+        let mut record = AllocationRecord::launching(spec(8, &["GPU-a"]), 1);
+        record.shim_pid = Some(dead_pid());
+        // Not the start time of whatever may have that pid now.
+        record.shim_start_ticks = Some(1);
+        fs::write(
+            layout.legacy_record(8),
+            serde_json::to_vec_pretty(&record).expect("encode"),
+        )
+        .expect("write");
+        fs::write(
+            layout.legacy_exit_file(8),
+            r#"{"status":"exited","code":7,"at_ms":5}"#,
+        )
+        .expect("write");
+
+        let mut rt = Runtime::open(config(dir.path())).expect("open");
+        assert!(!layout.legacy_record(8).exists(), "moved into the log");
+        assert_eq!(exits(&mut rt), vec![(8, ExitKind::Exited { code: 7 })]);
+        rt.forget(8).expect("forget");
+        assert!(!layout.legacy_exit_file(8).exists());
+        drop(rt);
+        let mut rt = Runtime::open(config(dir.path())).expect("reopen");
+        assert!(rt.poll().is_empty());
+    }
+
+    #[test]
+    fn the_exit_file_next_to_the_logs_wins_and_is_kept_after_forget() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layout = Layout::new(dir.path().to_path_buf());
+        let mut record = AllocationRecord::launching(spec(9, &["GPU-a"]), 1);
+        record.shim_pid = Some(dead_pid());
+        record.shim_start_ticks = Some(1);
+        store_record(dir.path(), &record);
+        fs::create_dir_all(layout.log_dir(9)).expect("mkdir");
+        fs::write(
+            layout.exit_file(9),
+            r#"{"status":"signaled","signal":15,"at_ms":5}"#,
+        )
+        .expect("write");
+
+        let mut rt = Runtime::open(config(dir.path())).expect("open");
+        assert_eq!(exits(&mut rt), vec![(9, ExitKind::Signaled { signal: 15 })]);
+        rt.forget(9).expect("forget");
+        assert!(layout.exit_file(9).exists(), "kept with the logs");
+        // The id comes again: the stale exit file goes before the new shim starts (here the
+        // shim cannot start at all).
+        assert!(matches!(
+            rt.launch(spec(9, &["GPU-a"])),
+            Err(RuntimeError::Spawn { allocation: 9, .. })
+        ));
+        assert!(!layout.exit_file(9).exists());
     }
 
     #[test]

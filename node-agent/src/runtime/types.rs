@@ -198,8 +198,9 @@ pub enum RuntimeError {
     },
     #[error(
         "state record {} is unreadable ({message}); check whether the allocation's process \
-         still runs (ps -eo pid,pgid,args), stop it if so, then move the file aside and restart the \
-         agent",
+         still runs (ps -eo pid,pgid,args), stop it if so, then move the file aside (for the \
+         record log allocations.log, delete just the line named: the other lines track other \
+         allocations) and restart the agent",
         path.display()
     )]
     CorruptRecord { path: PathBuf, message: String },

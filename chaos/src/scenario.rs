@@ -378,29 +378,22 @@ async fn drive(
                 record,
             });
         }
-        // Exit files: `runtime/logs/<id>/exit.json`, kept after the allocation is forgotten;
+        // Exit files: `runtime/logs/<id>.exit.json`, kept after the allocation is forgotten;
         // a shim started by an agent before the record log wrote
         // `runtime/allocations/<id>.exit.json` (deleted once forgotten).
         let runtime_dir = a.state_dir.join("runtime");
         let mut exit_files: Vec<(u64, std::path::PathBuf)> = Vec::new();
-        for entry in std::fs::read_dir(runtime_dir.join("logs"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if let Ok(allocation) = name.parse::<u64>() {
-                exit_files.push((allocation, entry.path().join("exit.json")));
-            }
-        }
-        for entry in std::fs::read_dir(runtime_dir.join("allocations"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if let Some(Ok(allocation)) = name.strip_suffix(".exit.json").map(str::parse::<u64>) {
-                exit_files.push((allocation, entry.path()));
+        for dir in ["logs", "allocations"] {
+            for entry in std::fs::read_dir(runtime_dir.join(dir))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if let Some(Ok(allocation)) = name.strip_suffix(".exit.json").map(str::parse::<u64>)
+                {
+                    exit_files.push((allocation, entry.path()));
+                }
             }
         }
         for (allocation, path) in exit_files {

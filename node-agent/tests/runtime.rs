@@ -831,11 +831,15 @@ fn records_go_to_one_log_and_exit_files_stay_with_the_logs() {
     let log = fs::read_to_string(state.path().join("allocations.log")).expect("record log");
     assert_eq!(log.lines().count(), 4 * ids.len());
     for &id in &ids {
-        let dir = state.path().join("logs").join(id.to_string());
-        assert_eq!(names_in(&dir), ["exit.json", "stderr", "stdout"], "{id}");
+        let logs = state.path().join("logs");
+        assert_eq!(
+            names_in(&logs.join(id.to_string())),
+            ["stderr", "stdout"],
+            "{id}"
+        );
+        let exit_file = logs.join(format!("{id}.exit.json"));
         let exit: serde_json::Value =
-            serde_json::from_slice(&fs::read(dir.join("exit.json")).expect("exit file"))
-                .expect("json");
+            serde_json::from_slice(&fs::read(exit_file).expect("exit file")).expect("json");
         assert_eq!(exit["status"], "exited");
         assert_eq!(exit["code"], id % 7);
     }

@@ -8,8 +8,10 @@
 //! allocations.log                  AllocationRecords, one appended line per change (runtime-
 //!                                  owned; record_log.rs)
 //! logs/<id>/stdout, logs/<id>/stderr
-//! logs/<id>/exit.json              ShimExitRecord (shim-owned; written once, atomically; kept
-//!                                  with the logs after the allocation is forgotten)
+//! logs/<id>.exit.json              ShimExitRecord (shim-owned; written once, atomically; kept
+//!                                  with the logs after the allocation is forgotten; beside
+//!                                  the job's directory, not in it, so no file the job writes
+//!                                  in its working directory can pass for its exit)
 //! gpu-usage.jsonl                  GPU usage journal (journal.rs)
 //! ```
 //!
@@ -53,7 +55,7 @@ impl Layout {
     }
     /// Where the shim writes how the command ended.
     pub(crate) fn exit_file(&self, id: u64) -> PathBuf {
-        self.log_dir(id).join("exit.json")
+        self.root.join("logs").join(format!("{id}.exit.json"))
     }
     /// The directory of the per-file records of agents before the record log.
     pub(crate) fn legacy_records_dir(&self) -> PathBuf {
@@ -523,7 +525,7 @@ mod tests {
     #[test]
     fn exit_files_live_with_the_logs() {
         let layout = Layout::new(PathBuf::from("/s"));
-        assert_eq!(layout.exit_file(7), PathBuf::from("/s/logs/7/exit.json"));
+        assert_eq!(layout.exit_file(7), PathBuf::from("/s/logs/7.exit.json"));
         assert_eq!(
             layout.legacy_exit_file(7),
             PathBuf::from("/s/allocations/7.exit.json")

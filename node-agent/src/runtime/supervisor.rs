@@ -614,7 +614,7 @@ impl Runtime {
         }
     }
 
-    /// Where allocation `id`'s shim writes its exit file: `logs/<id>/exit.json`; when that is
+    /// Where allocation `id`'s shim writes its exit file: `logs/<id>.exit.json`; when that is
     /// absent, `allocations/<id>.exit.json` if it exists, which is where a shim started by an
     /// agent before the record log writes it (launch removes a stale one of either, so what
     /// is found is this allocation's).

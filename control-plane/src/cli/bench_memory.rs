@@ -605,7 +605,7 @@ fn build(
         "running": c.jobs.values().filter(|j| !j.state.is_final()).count(),
         "archived": c.archived.len(),
         "forgotten": c.last_job_id as usize - kept,
-        "idempotency_keys": c.idempotency.values().map(|k| k.len()).sum::<usize>(),
+        "idempotency_keys": c.index.idempotency.values().map(|k| k.len()).sum::<usize>(),
         "live_allocations": c.allocations.len(),
         "leader_time_hours": (at - START_MS) as f64 / HOUR_MS as f64,
         "apply_seconds": apply_seconds,

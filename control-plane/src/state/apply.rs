@@ -292,7 +292,8 @@ impl ClusterState {
             self.index.dependents.entry(dep.job).or_default().insert(id);
         }
         if let Some(key) = key {
-            self.idempotency
+            self.index
+                .idempotency
                 .entry(spec.tenant.clone())
                 .or_default()
                 .insert(key.to_owned(), id);

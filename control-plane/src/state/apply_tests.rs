@@ -421,12 +421,31 @@ fn submit_scopes_idempotency_keys_per_tenant() {
 }
 
 #[test]
+fn idempotency_keys_are_derived_from_the_jobs_not_stored_in_snapshots() {
+    let mut h = Harness::fleet();
+    let a = h.submit_with_key(job(1).tenant("ml").spec(), Some("k"));
+    let json = serde_json::to_value(&h.state).unwrap();
+    assert!(json.get("idempotency").is_none(), "keys are not serialized");
+    let mut loaded: ClusterState = serde_json::from_value(json.clone()).unwrap();
+    loaded.rebuild_indexes();
+    assert_eq!(loaded.job_for_key("ml", "k"), Some(a));
+    assert_eq!(loaded, h.state);
+    // Snapshots written before kept the keys as a field of their own: still read.
+    let mut old = json;
+    old["idempotency"] = serde_json::json!({ "ml": { "k": a } });
+    let mut loaded: ClusterState = serde_json::from_value(old).unwrap();
+    loaded.rebuild_indexes();
+    assert_eq!(loaded.job_for_key("ml", "k"), Some(a));
+    loaded.check_consistency().unwrap();
+}
+
+#[test]
 fn submit_without_key_always_creates_a_new_job() {
     let mut h = Harness::fleet();
     let a = h.submit(job(1).spec());
     let b = h.submit(job(1).spec());
     assert_eq!((a, b), (1, 2));
-    assert!(h.state.idempotency.is_empty());
+    assert!(h.state.index.idempotency.is_empty());
 }
 
 #[test]

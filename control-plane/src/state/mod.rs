@@ -49,8 +49,6 @@ pub struct ClusterState {
     pub gpu_holder: BTreeMap<String, AllocationId>,
     /// GPU UUID → node that reported it, so one GPU can never belong to two nodes.
     pub gpu_node: BTreeMap<String, String>,
-    /// tenant → idempotency key → job.
-    pub idempotency: BTreeMap<String, BTreeMap<String, JobId>>,
     pub tenants: BTreeMap<String, Tenant>,
     pub partitions: BTreeMap<String, Partition>,
     /// Last job id handed out; ids come from the log, so every replica agrees on them.
@@ -106,6 +104,11 @@ pub struct Indexes {
     pub finished: BTreeSet<(Timestamp, JobId)>,
     /// Archived jobs by (end time, id), oldest first, for the same reason.
     pub archived_by_end: BTreeSet<(Timestamp, JobId)>,
+    /// Tenant → idempotency key → the job (kept whole or archived) that carries it. Derived
+    /// rather than stored: every such job carries its key, and a snapshot then neither holds
+    /// nor copies a million keys twice. (Snapshots written before kept it as the state's
+    /// `idempotency` field; loading ignores that and derives it.)
+    pub idempotency: BTreeMap<String, BTreeMap<String, JobId>>,
 }
 
 /// Fingerprint of what a node's hardware offers the scheduler (not its health or usage).
@@ -147,7 +150,6 @@ impl ClusterState {
             allocations: self.allocations.clone(),
             gpu_holder: self.gpu_holder.clone(),
             gpu_node: self.gpu_node.clone(),
-            idempotency: self.idempotency.clone(),
             tenants: self.tenants.clone(),
             partitions: self.partitions.clone(),
             last_job_id: self.last_job_id,
@@ -166,7 +168,7 @@ impl ClusterState {
 
     /// The job an idempotency key already created, if any.
     pub fn job_for_key(&self, tenant: &str, key: &str) -> Option<JobId> {
-        self.idempotency.get(tenant)?.get(key).copied()
+        self.index.idempotency.get(tenant)?.get(key).copied()
     }
 
     pub fn allocations_of(&self, job: JobId) -> impl Iterator<Item = &AllocationRecord> {
@@ -295,9 +297,23 @@ impl ClusterState {
             if job.state.is_final() {
                 index.finished.insert((job.last_change_at(), job.id));
             }
+            if let Some(key) = &job.idempotency_key {
+                index
+                    .idempotency
+                    .entry(job.spec.tenant.clone())
+                    .or_default()
+                    .insert(key.clone(), job.id);
+            }
         }
         for a in self.archived.values() {
             index.archived_by_end.insert((a.ended_at, a.id));
+            if let Some(key) = a.idempotency_key() {
+                index
+                    .idempotency
+                    .entry(a.tenant().to_owned())
+                    .or_default()
+                    .insert(key.to_owned(), a.id);
+            }
         }
         for rec in self.allocations.values() {
             index_allocation(&mut index, &self.jobs, &rec.allocation, true);

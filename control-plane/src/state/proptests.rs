@@ -817,7 +817,7 @@ proptest! {
                     prop_assert_eq!(e.after.job_for_key(tenant, key), Some(id));
                 }
             }
-            let indexed: usize = e.after.idempotency.values().map(BTreeMap::len).sum();
+            let indexed: usize = e.after.index.idempotency.values().map(BTreeMap::len).sum();
             prop_assert_eq!(indexed, keyed.len(), "the index has keys no job carries");
 
             if let Command::SubmitJob { spec, idempotency_key: Some(key) } = e.command

@@ -135,12 +135,12 @@ impl ClusterState {
         let Some(key) = a.idempotency_key() else {
             return;
         };
-        if let Some(keys) = self.idempotency.get_mut(a.tenant()) {
+        if let Some(keys) = self.index.idempotency.get_mut(a.tenant()) {
             if keys.get(key) == Some(&a.id) {
                 keys.remove(key);
             }
             if keys.is_empty() {
-                self.idempotency.remove(a.tenant());
+                self.index.idempotency.remove(a.tenant());
             }
         }
     }
@@ -161,7 +161,7 @@ impl ClusterState {
                 return Err(format!("archived job {id} is above last_job_id"));
             }
         }
-        for (tenant, keys) in &self.idempotency {
+        for (tenant, keys) in &self.index.idempotency {
             for (key, id) in keys {
                 let owner = match (self.jobs.get(id), self.archived.get(id)) {
                     (Some(j), _) => (j.spec.tenant.as_str(), j.idempotency_key.as_deref()),

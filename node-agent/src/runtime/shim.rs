@@ -3,9 +3,10 @@
 //! command outlives the agent and its end is still recorded when no agent is running.
 //!
 //! What it does, in order:
-//! 1. becomes a session (and process group) leader, unless the runtime already made it one,
-//!    so the whole allocation is one process group, detached from the agent's group and
-//!    terminal: a restart or SIGKILL of the agent does not touch it;
+//! 1. leads a process group of its own (the runtime starts it as one; started by hand, it
+//!    becomes a session leader), so the whole allocation is one process group, apart from
+//!    the agent's: a restart or SIGKILL of the agent, or a Ctrl-C in the agent's terminal,
+//!    does not touch it;
 //! 2. with `--await-go`, reads one byte from stdin and starts nothing unless it is `G`. The
 //!    runtime sends it only after persisting the shim's pid, so a command never runs without
 //!    a record of it (an agent crash in between closes the pipe: EOF, the shim exits);
@@ -185,10 +186,10 @@ pub fn shim_main(args: Vec<String>) -> i32 {
 
 /// Makes the shim the leader of its own process group (see step 1).
 fn become_group_leader() {
-    // SAFETY: getsid/getpid/setsid take no pointers and only affect this process.
+    // SAFETY: getpgid/getpid/setsid take no pointers and only affect this process.
     unsafe {
-        if libc::getsid(0) == libc::getpid() {
-            return; // The runtime already called setsid() between fork and exec.
+        if libc::getpgid(0) == libc::getpid() {
+            return; // The runtime started us leading a process group of our own.
         }
         if libc::setsid() < 0 {
             // Only fails when we already lead a process group (started by an interactive

@@ -183,19 +183,13 @@ impl Runtime {
             .current_dir(&log_dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
-            .stderr(shim_stderr);
-        // SAFETY: the closure runs between fork and exec and only calls setsid(), which is
-        // async-signal-safe. Doing it here rather than in the shim means the shim leads its
-        // own process group from its first instruction, so `stop` can signal the group even
-        // if it comes before the shim has run at all.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::setsid() < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+            .stderr(shim_stderr)
+            // The shim leads its own process group from its first instruction, so `stop` can
+            // signal the group even if it comes before the shim has run at all. Set by
+            // posix_spawn, not by a closure between fork and exec: with no closure, std
+            // starts the shim with vfork semantics instead of copying the agent's address
+            // space (page tables of a multi-threaded process) for every launch.
+            .process_group(0);
         let mut child = match command.spawn() {
             Ok(child) => child,
             Err(source) => {

@@ -21,6 +21,7 @@ pub mod dst;
 pub mod group_commit;
 pub mod leader;
 pub mod local_cluster;
+pub mod off_runtime;
 pub mod raft;
 pub mod replica;
 pub mod scheduler;

@@ -186,17 +186,7 @@ async fn compact_jobs(replica: &Replica, config: &LeaderConfig) -> Result<(), Ap
 /// A pass that takes this long is logged (with the placements it found).
 const SLOW_PASS: Duration = Duration::from_millis(250);
 
-/// Runs CPU-bound work (a scheduling pass: up to seconds on a large cluster) where it does not
-/// hold up one of the runtime's few threads: on a multi-threaded runtime the thread hands its
-/// other tasks (Raft heartbeats, API calls) to another before `f` runs. The deterministic
-/// simulation's single-threaded runtime runs `f` in place.
-fn off_runtime<R>(f: impl FnOnce() -> R) -> R {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    match Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
-        _ => f(),
-    }
-}
+use crate::off_runtime::off_runtime;
 
 /// Shortest wait after an applied change before the next pass.
 const MIN_SETTLE: Duration = Duration::from_millis(2);

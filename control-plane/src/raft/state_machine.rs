@@ -360,8 +360,17 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut replies = Vec::new();
         let mut events = Vec::new();
         let mut replies_last_index = None;
-        {
-            let mut data = self.write_lock().await;
+        let entries: Vec<Entry> = entries.into_iter().collect();
+        let heavy = entries.iter().any(|e| match &e.payload {
+            EntryPayload::Normal(r) => r.command.is_heavy(),
+            _ => false,
+        });
+        let mut data = self.write_lock().await;
+        // A plan placing thousands of jobs takes hundreds of milliseconds to apply on a slow
+        // 2-core host; run on a runtime worker, it held up that worker's other tasks (Raft
+        // heartbeats among them) and leadership churned. Such entries are applied where the
+        // worker hands its other tasks on first, as the scheduling pass is.
+        let apply_all = || {
             let locked_at = std::time::Instant::now();
             for entry in entries {
                 data.last_applied = Some(entry.log_id);
@@ -401,7 +410,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     "slow apply: the state was locked this long"
                 );
             }
+        };
+        if heavy {
+            crate::off_runtime::off_runtime(apply_all);
+        } else {
+            apply_all();
         }
+        drop(data);
         if let Some(last) = replies_last_index {
             self.shared.applied.send_replace(last);
         }

@@ -141,6 +141,17 @@ impl Command {
     }
 
     /// Short name for spans and metrics.
+    /// Whether applying this command may take long enough (many milliseconds on a slow host)
+    /// that it should not run on an async runtime worker: a plan or a batch of hundreds.
+    pub fn is_heavy(&self) -> bool {
+        const HEAVY: usize = 256;
+        match self {
+            Command::Place { placements, .. } => placements.len() >= HEAVY,
+            Command::Batch { commands } => commands.len() >= HEAVY,
+            _ => false,
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             Command::SubmitJob { .. } => "submit_job",

@@ -31,10 +31,6 @@ impl<K, V> Default for CowMap<K, V> {
 }
 
 impl<K: Ord, V: Clone> CowMap<K, V> {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     pub fn len(&self) -> usize {
         self.map.len()
     }
@@ -101,14 +97,6 @@ impl<K: Ord, V: Clone> CowMap<K, V> {
         R: RangeBounds<Q>,
     {
         self.map.range(range).map(deref_value)
-    }
-
-    pub fn first_key_value(&self) -> Option<(&K, &V)> {
-        self.map.first_key_value().map(|(k, v)| (k, &**v))
-    }
-
-    pub fn last_key_value(&self) -> Option<(&K, &V)> {
-        self.map.last_key_value().map(|(k, v)| (k, &**v))
     }
 }
 

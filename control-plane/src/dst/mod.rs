@@ -32,6 +32,8 @@
 pub mod agent;
 pub mod check;
 pub mod cluster;
+#[cfg(test)]
+mod elections;
 pub mod faults;
 pub mod net;
 pub mod params;

@@ -74,11 +74,23 @@ where C: RaftTypeConfig
     pub(crate) state: Valid<RaftState<C::NodeId, C::Node, <C::AsyncRuntime as AsyncRuntime>::Instant>>,
 
     // TODO: add a Voting state as a container.
-    /// Whether a greater log id is seen during election.
+    /// The greatest last log id a vote response showed to be greater than this node's
+    /// (PATCHED, see PATCHED.md: it was a `bool`).
     ///
-    /// If it is true, then this node **may** not become a leader therefore the election timeout
-    /// should be greater.
-    pub(crate) seen_greater_log: bool,
+    /// While this node's log is still behind it, this node **may** not become a leader,
+    /// therefore the election timeout should be greater. Once this node has caught up, as a
+    /// follower, the backoff no longer applies.
+    pub(crate) seen_greater_log: Option<LogId<C::NodeId>>,
+
+    /// The greatest term of a vote request this node rejected (PATCHED, see PATCHED.md).
+    ///
+    /// Standard Raft has a server adopt the term of every RPC it receives, even one it rejects.
+    /// Openraft binds a term to a candidate (`Vote`), so a rejected request leaves this node's
+    /// term behind. Without this, a node with the longer log campaigns at the same term as the
+    /// stale candidate it just rejected, loses on node id, and the election takes more rounds.
+    /// The next election starts above this term. Not persisted: after a restart it is only a
+    /// liveness hint lost, as skipping terms is always safe.
+    pub(crate) greatest_rejected_term: u64,
 
     /// Represents the Leader state.
     pub(crate) leader: LeaderState<C>,
@@ -104,7 +116,8 @@ where C: RaftTypeConfig
         Self {
             config,
             state: Valid::new(init_state),
-            seen_greater_log: false,
+            seen_greater_log: None,
+            greatest_rejected_term: 0,
             leader: None,
             candidate: None,
             output: EngineOutput::new(4096),
@@ -225,7 +238,8 @@ where C: RaftTypeConfig
             self.leader.as_ref().map(|l| l.vote.to_string()).unwrap_or_default()
         );
 
-        let new_term = self.state.vote.leader_id().term + 1;
+        // PATCHED: start above any term this node has rejected a vote request for.
+        let new_term = self.state.vote.leader_id().term.max(self.greatest_rejected_term) + 1;
         let new_vote = Vote::new(new_term, self.config.id.clone());
 
         let candidate = self.new_candidate(new_vote.clone());
@@ -313,6 +327,7 @@ where C: RaftTypeConfig
                     vote_utime + lease - now
                 );
 
+                self.record_rejected_term(&req.vote);
                 return VoteResponse::new(self.state.vote_ref(), self.state.last_log_id().cloned(), false);
             }
         }
@@ -330,6 +345,7 @@ where C: RaftTypeConfig
             // The res is not used yet.
             // let _res = Err(RejectVoteRequest::ByLastLogId(self.state.last_log_id().copied()));
 
+            self.record_rejected_term(&req.vote);
             // Return the updated vote, this way the candidate knows which vote is granted, in case
             // the candidate's vote is changed after sending the vote request.
             return VoteResponse::new(self.state.vote_ref(), self.state.last_log_id().cloned(), false);
@@ -348,6 +364,15 @@ where C: RaftTypeConfig
         // Return the updated vote, this way the candidate knows which vote is granted, in case
         // the candidate's vote is changed after sending the vote request.
         VoteResponse::new(self.state.vote_ref(), self.state.last_log_id().cloned(), res.is_ok())
+    }
+
+    /// PATCHED: remember the term of a vote request rejected by leader lease or by log, so
+    /// that this node's next election starts above it (see `greatest_rejected_term`).
+    fn record_rejected_term(&mut self, req_vote: &Vote<C::NodeId>) {
+        let term = req_vote.leader_id().term;
+        if term > self.greatest_rejected_term {
+            self.greatest_rejected_term = term;
+        }
     }
 
     #[tracing::instrument(level = "debug", skip(self, resp))]
@@ -392,7 +417,7 @@ where C: RaftTypeConfig
                 "seen a greater log id when {}",
                 func_name!()
             );
-            self.set_greater_log();
+            self.set_greater_log(resp.last_log_id.clone());
         }
 
         // When vote request is rejected, only update to the non-committed version of the vote.
@@ -715,20 +740,23 @@ where C: RaftTypeConfig
         }
     }
 
+    /// PATCHED: true only while this node's log is still behind the greatest log id seen.
     pub(crate) fn is_there_greater_log(&self) -> bool {
-        self.seen_greater_log
+        self.seen_greater_log.as_ref() > self.state.last_log_id()
     }
 
-    /// Set that there is greater last log id found.
+    /// Record a greater last log id found in a vote response (PATCHED: keeps the greatest).
     ///
-    /// In such a case, this node should not try to elect aggressively.
-    pub(crate) fn set_greater_log(&mut self) {
-        self.seen_greater_log = true;
+    /// While this node is behind it, it should not try to elect aggressively.
+    pub(crate) fn set_greater_log(&mut self, log_id: Option<LogId<C::NodeId>>) {
+        if log_id > self.seen_greater_log {
+            self.seen_greater_log = log_id;
+        }
     }
 
     /// Clear the flag of that there is greater last log id.
     pub(crate) fn reset_greater_log(&mut self) {
-        self.seen_greater_log = false;
+        self.seen_greater_log = None;
     }
 
     // Only used by tests

@@ -215,26 +215,39 @@ pub(crate) struct ShimExitRecord {
 }
 
 /// Writes `bytes` to `path` so that readers see either the old content or all of the new:
-/// write a temporary file in the same directory, fsync it, rename it over `path`, fsync the
-/// directory (so the rename itself survives a power loss).
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    replace_file(path, bytes)?;
+/// write a temporary file in `tmp_dir` (on the same file system as `path`), fsync it, rename
+/// it over `path`, fsync `path`'s directory (so the rename itself survives a power loss).
+///
+/// Why a separate `tmp_dir`: the shim writes the exit file from the job's own log directory,
+/// so that the file's inode is allocated in that directory's block group, which
+/// `Layout::create_dirs` spreads over the disk, and not in the crowded one of `logs/` (see
+/// `spread_subdirectories`); a rename allocates no inode. If the two directories turn out to
+/// be on different file systems, it falls back to `path`'s own directory.
+pub(crate) fn write_atomic_via(tmp_dir: &Path, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    match replace_file_via(tmp_dir, path, bytes) {
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => replace_file(path, bytes)?,
+        other => other?,
+    }
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
-/// [`write_atomic`] without the final directory sync: once this returns `Ok`, `path` names
+/// [`write_atomic_via`] from `path`'s own directory, without the final directory sync: once this returns `Ok`, `path` names
 /// the new content (not yet durably, until the directory is synced); on `Err` it still names
 /// the old content.
 pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
+    replace_file_via(dir, path, bytes)
+}
+
+fn replace_file_via(tmp_dir: &Path, path: &Path, bytes: &[u8]) -> io::Result<()> {
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
     let mut tmp_name = name.to_os_string();
     tmp_name.push(format!(".tmp.{}", std::process::id()));
-    let tmp = dir.join(tmp_name);
+    let tmp = tmp_dir.join(tmp_name);
     let result = (|| {
         // 0600: records hold the job's environment, which may carry tokens.
         let mut file = OpenOptions::new()
@@ -523,11 +536,49 @@ mod tests {
         assert_eq!(back.status, ChildStatus::Exited { code: 3 });
     }
 
+    /// The exit file lands at its path, its inode made in the job's directory, with nothing
+    /// left behind in either directory.
+    #[test]
+    fn write_atomic_via_another_directory_leaves_only_the_target() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layout = Layout::new(dir.path().to_path_buf());
+        layout.create_dirs().expect("dirs");
+        let job_dir = layout.log_dir(5);
+        fs::create_dir_all(&job_dir).expect("mkdir");
+        fs::write(layout.stdout_log(5), "out").expect("write");
+        let target = layout.exit_file(5);
+        fs::write(&target, "old").expect("write");
+
+        write_atomic_via(&job_dir, &target, b"new").expect("write via");
+        assert_eq!(fs::read(&target).expect("read"), b"new");
+        let names = |d: &Path| -> Vec<String> {
+            let mut v: Vec<String> = fs::read_dir(d)
+                .expect("read_dir")
+                .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&job_dir), vec!["stdout"]);
+        assert_eq!(names(&layout.root().join("logs")), vec!["5", "5.exit.json"]);
+        // 0600 as every record: it may be read back by the agent only.
+        let mode = fs::metadata(&target).expect("stat").mode() & 0o777;
+        assert_eq!(mode, 0o600);
+
+        // A temporary directory that does not exist fails the write and keeps the old file.
+        let err = write_atomic_via(&dir.path().join("missing"), &target, b"newer")
+            .expect_err("no such directory");
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        assert_eq!(fs::read(&target).expect("read"), b"new");
+    }
+
     /// Writes a record the way agents before the record log did.
     fn store_legacy(layout: &Layout, record: &AllocationRecord) {
         fs::create_dir_all(layout.legacy_records_dir()).expect("mkdir");
         let bytes = serde_json::to_vec_pretty(record).expect("encode");
-        write_atomic(&layout.legacy_record(record.id()), &bytes).expect("write");
+        let path = layout.legacy_record(record.id());
+        write_atomic_via(&layout.legacy_records_dir(), &path, &bytes).expect("write");
     }
 
     #[test]

@@ -276,7 +276,7 @@ impl RecordLog {
 }
 
 /// Removes the temporary files of compactions interrupted by a crash
-/// (`allocations.log.tmp.<pid>`; see `write_atomic`). The runtime holds the state-directory
+/// (`allocations.log.tmp.<pid>`; see `write_atomic_via`). The runtime holds the state-directory
 /// lock, so no compaction is in progress.
 fn remove_leftover_temporaries(root: &Path) {
     for entry in fs::read_dir(root).into_iter().flatten().flatten() {

@@ -25,12 +25,12 @@
 use std::fs::OpenOptions;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use super::process::now_ms;
-use super::record::{ChildStatus, ShimExitRecord, write_atomic};
+use super::record::{ChildStatus, ShimExitRecord, write_atomic_via};
 
 /// Shim exit codes other than 0. The runtime only shows them in a `Vanished` reason: what
 /// matters is the exit file.
@@ -167,9 +167,12 @@ pub fn shim_main(args: Vec<String>) -> i32 {
         at_ms: now_ms(),
         fenced,
     };
+    // The job's log directory (stdout's), where the temporary file goes: see
+    // `write_atomic_via`.
+    let job_dir = args.stdout.parent().unwrap_or(Path::new("."));
     let code = match serde_json::to_vec(&record)
         .map_err(io::Error::other)
-        .and_then(|bytes| write_atomic(&args.exit_file, &bytes))
+        .and_then(|bytes| write_atomic_via(job_dir, &args.exit_file, &bytes))
     {
         Ok(()) => 0,
         Err(e) => {

@@ -961,6 +961,66 @@ fn non_preemptible_and_equal_priority_work_is_never_preempted() {
     assert!(plan(&w.state, w.now()).preemptions.is_empty(), "same class");
 }
 
+/// A high-priority job of a tenant running on borrowed capacity does not preempt a job that
+/// another tenant runs within its guarantee: that tenant would reclaim its quota at once, the
+/// reclaimed job would preempt again by priority, and the two would stop each other forever
+/// (the simulation's seed 160 did exactly that). A borrowing victim stays fair game.
+#[test]
+fn priority_preemption_across_tenants_respects_guarantees() {
+    let mut w = World::new();
+    w.node("n", 4, "A100", "", None);
+    w.tenant("owner", 1, 2, 4);
+    w.tenant("rich", 1, 0, 4);
+    let low = |tenant: &str| JobSpec {
+        tenant: tenant.into(),
+        priority_class: "low".into(),
+        preemptible: true,
+        ..job(1)
+    };
+    let guaranteed: Vec<u64> = (0..2).map(|_| w.submit(low("owner"))).collect();
+    w.submit(JobSpec {
+        tenant: "rich".into(),
+        ..job(1)
+    });
+    let borrowed_low = w.submit(low("rich"));
+    w.schedule();
+    w.start_all();
+    let urgent = w.submit(JobSpec {
+        tenant: "rich".into(),
+        priority_class: "high".into(),
+        ..job(1)
+    });
+    let p = plan(&w.state, w.now());
+    assert_eq!(p.preemptions.len(), 1, "{:?}", p.preemptions);
+    assert_eq!(p.preemptions[0].for_job, urgent);
+    assert_eq!(p.preemptions[0].victims, vec![borrowed_low]);
+    for &g in &guaranteed {
+        let err = w
+            .state
+            .check_preemption(&w.state.jobs[&urgent], g)
+            .expect_err("a guaranteed job of another tenant");
+        assert!(err.contains("may not be preempted"), "{err}");
+    }
+
+    // The same urgent job may take the owner's lower-priority work once the owner borrows.
+    let mut w2 = World::new();
+    w2.node("n", 4, "A100", "", None);
+    w2.tenant("owner", 1, 1, 4);
+    w2.tenant("rich", 1, 0, 4);
+    let over: Vec<u64> = (0..4).map(|_| w2.submit(low("owner"))).collect();
+    w2.schedule();
+    w2.start_all();
+    let urgent = w2.submit(JobSpec {
+        tenant: "rich".into(),
+        priority_class: "high".into(),
+        ..job(1)
+    });
+    let p = plan(&w2.state, w2.now());
+    assert_eq!(p.preemptions.len(), 1, "{:?}", p.preemptions);
+    assert_eq!(p.preemptions[0].for_job, urgent);
+    assert!(over.contains(&p.preemptions[0].victims[0]));
+}
+
 #[test]
 fn a_tenant_reclaims_its_guaranteed_quota_from_borrowers() {
     let mut w = World::new();

@@ -43,6 +43,12 @@ impl Defaults {
     pub const ELECTION_MIN_MS: u64 = 90;
     pub const ELECTION_MAX_MS: u64 = 150;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
+    /// Most log entries in one AppendEntries (openraft's default is 300). Under a burst, an
+    /// entry is a batch of up to 512 submissions; 300 of them took a loaded follower 80–120 ms
+    /// to accept, past the one-heartbeat (40 ms) limit openraft gives an AppendEntries, so the
+    /// leader timed out, backed off and resent them while the follower heard nothing else,
+    /// and leadership churned (`gpuctl bench placement --hosts 1000 --jobs 100000` stalled).
+    pub const MAX_ENTRIES_PER_APPEND: u64 = 32;
     /// sled's page cache. Its own default (1 GiB) kept the latest snapshot, a single value of
     /// hundreds of megabytes with a million job records, resident next to the state it was
     /// made from; the log's recent entries fit in far less.

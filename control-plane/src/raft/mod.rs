@@ -60,6 +60,7 @@ impl RaftTuning {
             election_timeout_max: self.election_max_ms,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.snapshot_every),
             max_in_snapshot_log_to_keep: self.keep_behind_snapshot,
+            max_payload_entries: crate::config::Defaults::MAX_ENTRIES_PER_APPEND,
             install_snapshot_timeout: 2_000,
             ..Default::default()
         };

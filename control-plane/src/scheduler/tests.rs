@@ -983,17 +983,8 @@ fn priority_preemption_across_tenants_respects_guarantees() {
         ..job(1)
     });
     let borrowed_low = w.submit(low("rich"));
-    w.schedule();
-    w.start_all();
-    let urgent = w.submit(JobSpec {
-        tenant: "rich".into(),
-        priority_class: "high".into(),
-        ..job(1)
-    });
-    let p = plan(&w.state, w.now());
-    assert_eq!(p.preemptions.len(), 1, "{:?}", p.preemptions);
-    assert_eq!(p.preemptions[0].for_job, urgent);
-    assert_eq!(p.preemptions[0].victims, vec![borrowed_low]);
+    let (urgent, victims) = start_all_then_plan_for_an_urgent_rich_job(&mut w);
+    assert_eq!(victims, vec![borrowed_low]);
     for &g in &guaranteed {
         let err = w
             .state
@@ -1008,17 +999,24 @@ fn priority_preemption_across_tenants_respects_guarantees() {
     w2.tenant("owner", 1, 1, 4);
     w2.tenant("rich", 1, 0, 4);
     let over: Vec<u64> = (0..4).map(|_| w2.submit(low("owner"))).collect();
-    w2.schedule();
-    w2.start_all();
-    let urgent = w2.submit(JobSpec {
+    let (_, victims) = start_all_then_plan_for_an_urgent_rich_job(&mut w2);
+    assert!(over.contains(&victims[0]), "{victims:?}");
+}
+
+/// Places and starts what is queued, submits a high-priority one-GPU job of tenant "rich" and
+/// returns it with the victims of the one preemption planned for it.
+fn start_all_then_plan_for_an_urgent_rich_job(w: &mut World) -> (u64, Vec<u64>) {
+    w.schedule();
+    w.start_all();
+    let urgent = w.submit(JobSpec {
         tenant: "rich".into(),
         priority_class: "high".into(),
         ..job(1)
     });
-    let p = plan(&w2.state, w2.now());
+    let p = plan(&w.state, w.now());
     assert_eq!(p.preemptions.len(), 1, "{:?}", p.preemptions);
     assert_eq!(p.preemptions[0].for_job, urgent);
-    assert!(over.contains(&p.preemptions[0].victims[0]));
+    (urgent, p.preemptions[0].victims.clone())
 }
 
 #[test]

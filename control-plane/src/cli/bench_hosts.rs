@@ -412,7 +412,10 @@ async fn follow_assignments(
 }
 
 /// Reports one allocation started then succeeded (or, if the control plane wants it stopped,
-/// stopped), each a committed write.
+/// stopped), each a committed write. A report that could not get through (no leader answered
+/// in time: an election, an overloaded replica) is sent again until one does, as an agent
+/// keeps its reports until they are acknowledged. Giving up would leave the allocation
+/// holding its GPUs for good, and with enough of those the run stalls for want of GPUs.
 async fn finish(
     api: &AgentEndpoints,
     node: &str,
@@ -434,13 +437,23 @@ async fn finish(
             has_exit_code: *event == Event::Succeeded,
             ..Default::default()
         };
-        let answer = api
-            .call(Duration::from_secs(30), |mut c| {
-                let r = req.clone();
-                async move { c.report_allocation(r).await }
-            })
-            .await;
+        let answer = loop {
+            let answer = api
+                .call(Duration::from_secs(30), |mut c| {
+                    let r = req.clone();
+                    async move { c.report_allocation(r).await }
+                })
+                .await;
+            match answer {
+                Err(s) if retryable(&s) => {
+                    counters.report_errors.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
+                }
+                other => break other,
+            }
+        };
         match (answer, event) {
+            // Refused for good (not retryable): nothing to send again.
             (Err(_), _) => {
                 counters.report_errors.fetch_add(1, Ordering::Relaxed);
                 return;

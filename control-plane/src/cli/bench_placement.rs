@@ -162,8 +162,19 @@ pub async fn run(
     let after = seen.borrow().clone();
     outcome.with_context(|| {
         format!(
-            "placements stalled: {} of {} jobs placed, {} finished",
-            after.placed, args.jobs, after.finished
+            "placements stalled: {} of {} jobs placed, {} finished; the simulated hosts saw {} \
+             failed reports and {} failed heartbeats",
+            after.placed,
+            args.jobs,
+            after.finished,
+            fleet
+                .counters
+                .report_errors
+                .load(std::sync::atomic::Ordering::Relaxed),
+            fleet
+                .counters
+                .heartbeat_errors
+                .load(std::sync::atomic::Ordering::Relaxed),
         )
     })?;
 

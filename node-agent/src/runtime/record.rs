@@ -221,12 +221,12 @@ pub(crate) struct ShimExitRecord {
 /// Why a separate `tmp_dir`: the shim writes the exit file from the job's own log directory,
 /// so that the file's inode is allocated in that directory's block group, which
 /// `Layout::create_dirs` spreads over the disk, and not in the crowded one of `logs/` (see
-/// `spread_subdirectories`); a rename allocates no inode. If the two directories turn out to
-/// be on different file systems, it falls back to `path`'s own directory.
+/// `spread_subdirectories`); a rename allocates no inode. If that fails for any reason (the
+/// job removed its own directory, the two are on different file systems), `path` still names
+/// the old content, and the write is made again from `path`'s own directory.
 pub(crate) fn write_atomic_via(tmp_dir: &Path, path: &Path, bytes: &[u8]) -> io::Result<()> {
-    match replace_file_via(tmp_dir, path, bytes) {
-        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => replace_file(path, bytes)?,
-        other => other?,
+    if replace_file_via(tmp_dir, path, bytes).is_err() {
+        replace_file(path, bytes)?;
     }
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
@@ -566,11 +566,17 @@ mod tests {
         let mode = fs::metadata(&target).expect("stat").mode() & 0o777;
         assert_eq!(mode, 0o600);
 
-        // A temporary directory that does not exist fails the write and keeps the old file.
-        let err = write_atomic_via(&dir.path().join("missing"), &target, b"newer")
-            .expect_err("no such directory");
+        // A job that removed its own directory still gets its exit file, written from logs/.
+        fs::remove_dir_all(&job_dir).expect("rm job dir");
+        write_atomic_via(&job_dir, &target, b"newer").expect("write beside the target");
+        assert_eq!(fs::read(&target).expect("read"), b"newer");
+        assert_eq!(names(&layout.root().join("logs")), vec!["5.exit.json"]);
+
+        // When neither directory can take it, the write fails and says why.
+        let elsewhere = layout.root().join("gone").join("6.exit.json");
+        let err = write_atomic_via(&job_dir, &elsewhere, b"x").expect_err("no directory");
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
-        assert_eq!(fs::read(&target).expect("read"), b"new");
+        assert!(!elsewhere.exists());
     }
 
     /// Writes a record the way agents before the record log did.

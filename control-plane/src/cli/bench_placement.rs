@@ -160,13 +160,14 @@ pub async fn run(
     .await;
     watcher.abort();
     let after = seen.borrow().clone();
-    outcome.with_context(|| {
-        format!(
-            "placements stalled: {} of {} jobs placed, {} finished; the simulated hosts saw {} \
-             failed reports and {} failed heartbeats",
+    if let Err(e) = outcome {
+        return Err(e.context(format!(
+            "placements stalled: {} of {} jobs placed, {} finished, as seen on {}; the \
+             simulated hosts saw {} failed reports and {} failed heartbeats; replicas: {}",
             after.placed,
             args.jobs,
             after.finished,
+            endpoints[0],
             fleet
                 .counters
                 .report_errors
@@ -175,8 +176,9 @@ pub async fn run(
                 .counters
                 .heartbeat_errors
                 .load(std::sync::atomic::Ordering::Relaxed),
-        )
-    })?;
+            replica_states(&endpoints).await,
+        )));
+    }
 
     let last_placed = after.last_placed_at.context("no placement seen")?;
     let window = last_placed.duration_since(released).as_secs_f64();
@@ -317,6 +319,34 @@ async fn submit_all(client: &Client, n: usize, concurrency: usize) -> anyhow::Re
         .collect()
         .await;
     results.into_iter().collect()
+}
+
+/// Each replica's role, term and applied index, for the message of a stalled run.
+async fn replica_states(endpoints: &[String]) -> String {
+    let mut states = Vec::new();
+    for addr in endpoints {
+        let state = match lazy_channel(addr) {
+            Ok(channel) => {
+                let request = with_timeout(pb::ClusterStatusRequest {}, Duration::from_secs(2));
+                match ControlPlaneClient::new(channel)
+                    .cluster_status(request)
+                    .await
+                {
+                    Ok(r) => {
+                        let r = r.into_inner();
+                        format!(
+                            "{} {} term {} applied {} of {} committed",
+                            r.id, r.state, r.term, r.applied_index, r.commit_index
+                        )
+                    }
+                    Err(s) => format!("no answer ({})", s.message()),
+                }
+            }
+            Err(e) => format!("bad address ({e})"),
+        };
+        states.push(format!("{addr}: {state}"));
+    }
+    states.join("; ")
 }
 
 /// Follows every job of the benchmark's tenant on one replica and publishes what it has seen.

@@ -4,8 +4,10 @@
 //! The burst. Every job is submitted (and committed) while the fleet cannot take it: the
 //! benchmark's tenant is capped at one GPU, so the whole queue waits. Releasing the cap is one
 //! committed write, and the clock starts when that write is sent. It stops when the last job is
-//! seen placed through the API: a `WatchJobs` stream on the leader, which applies an entry only
-//! once a majority has it on disk, so "seen placed" means placed *and* committed. Submission is
+//! seen placed through the API: a `WatchJobs` stream on the first replica (at the start, the
+//! leader; after an election, possibly a follower). A replica applies an entry only once a
+//! majority has it on disk, so "seen placed" means placed *and* committed; a follower that
+//! falls behind shows it late (a stall names every replica's applied index). Submission is
 //! timed separately, and a second figure counts from the first submission to the last
 //! placement. The job or two the cap lets through before the release are reported and left out
 //! of the timed count.

@@ -336,9 +336,27 @@ async fn replica_states(endpoints: &[String]) -> String {
                 {
                     Ok(r) => {
                         let r = r.into_inner();
+                        // The leader's view of each member's log: whether it believes a
+                        // lagging follower has the entries tells a stuck send from a stuck
+                        // follower.
+                        let matched: Vec<String> = r
+                            .members
+                            .iter()
+                            .filter(|_| r.leader == r.id)
+                            .map(|m| format!("{}={}", m.id, m.matched_index))
+                            .collect();
                         format!(
-                            "{} {} term {} applied {} of {} committed",
-                            r.id, r.state, r.term, r.applied_index, r.commit_index
+                            "{} {} term {} applied {} of {} committed{}",
+                            r.id,
+                            r.state,
+                            r.term,
+                            r.applied_index,
+                            r.commit_index,
+                            if matched.is_empty() {
+                                String::new()
+                            } else {
+                                format!(", members matched {}", matched.join(" "))
+                            }
                         )
                     }
                     Err(s) => format!("no answer ({})", s.message()),

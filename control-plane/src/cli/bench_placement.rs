@@ -136,12 +136,7 @@ pub async fn run(
         // Every host follows its assignments before the release, so the window holds no
         // stream set-up.
         let deadline = Instant::now() + Duration::from_secs(60);
-        while (fleet
-            .counters
-            .watch_connects
-            .load(std::sync::atomic::Ordering::Relaxed) as usize)
-            < fleet.hosts()
-        {
+        while (load(&fleet.counters.watch_connects) as usize) < fleet.hosts() {
             if Instant::now() > deadline {
                 bail!("the simulated hosts could not all open their assignment streams");
             }
@@ -170,14 +165,8 @@ pub async fn run(
             args.jobs,
             after.finished,
             endpoints[0],
-            fleet
-                .counters
-                .report_errors
-                .load(std::sync::atomic::Ordering::Relaxed),
-            fleet
-                .counters
-                .heartbeat_errors
-                .load(std::sync::atomic::Ordering::Relaxed),
+            load(&fleet.counters.report_errors),
+            load(&fleet.counters.heartbeat_errors),
             replica_states(&endpoints).await,
         )));
     }
@@ -192,7 +181,6 @@ pub async fn run(
         .filter(|_| finish)
         .map(|t| t.duration_since(released).as_secs_f64());
     let c = &fleet.counters;
-    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
     let j = json!({
         "benchmark": "placement",
         "hosts": fleet.hosts(),
@@ -323,50 +311,46 @@ async fn submit_all(client: &Client, n: usize, concurrency: usize) -> anyhow::Re
     results.into_iter().collect()
 }
 
+/// A fleet counter's current value.
+fn load(counter: &std::sync::atomic::AtomicU64) -> u64 {
+    counter.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Each replica's role, term and applied index, for the message of a stalled run.
 async fn replica_states(endpoints: &[String]) -> String {
     let mut states = Vec::new();
     for addr in endpoints {
-        let state = match lazy_channel(addr) {
-            Ok(channel) => {
-                let request = with_timeout(pb::ClusterStatusRequest {}, Duration::from_secs(2));
-                match ControlPlaneClient::new(channel)
-                    .cluster_status(request)
-                    .await
-                {
-                    Ok(r) => {
-                        let r = r.into_inner();
-                        // The leader's view of each member's log: whether it believes a
-                        // lagging follower has the entries tells a stuck send from a stuck
-                        // follower.
-                        let matched: Vec<String> = r
-                            .members
-                            .iter()
-                            .filter(|_| r.leader == r.id)
-                            .map(|m| format!("{}={}", m.id, m.matched_index))
-                            .collect();
-                        format!(
-                            "{} {} term {} applied {} of {} committed{}",
-                            r.id,
-                            r.state,
-                            r.term,
-                            r.applied_index,
-                            r.commit_index,
-                            if matched.is_empty() {
-                                String::new()
-                            } else {
-                                format!(", members matched {}", matched.join(" "))
-                            }
-                        )
-                    }
-                    Err(s) => format!("no answer ({})", s.message()),
-                }
-            }
-            Err(e) => format!("bad address ({e})"),
-        };
+        let state = replica_state(addr).await.unwrap_or_else(|why| why);
         states.push(format!("{addr}: {state}"));
     }
     states.join("; ")
+}
+
+async fn replica_state(addr: &str) -> Result<String, String> {
+    let channel = lazy_channel(addr).map_err(|e| format!("bad address ({e})"))?;
+    let request = with_timeout(pb::ClusterStatusRequest {}, Duration::from_secs(2));
+    let r = ControlPlaneClient::new(channel)
+        .cluster_status(request)
+        .await
+        .map_err(|s| format!("no answer ({})", s.message()))?
+        .into_inner();
+    // The leader's view of each member's log: whether it believes a lagging follower has the
+    // entries tells a stuck send from a stuck follower.
+    let matched: Vec<String> = r
+        .members
+        .iter()
+        .filter(|_| r.leader == r.id)
+        .map(|m| format!("{}={}", m.id, m.matched_index))
+        .collect();
+    let matched = if matched.is_empty() {
+        String::new()
+    } else {
+        format!(", members matched {}", matched.join(" "))
+    };
+    Ok(format!(
+        "{} {} term {} applied {} of {} committed{matched}",
+        r.id, r.state, r.term, r.applied_index, r.commit_index
+    ))
 }
 
 /// Follows every job of the benchmark's tenant on one replica and publishes what it has seen.

@@ -6,7 +6,7 @@
 //! by the follower that has it, on log. Unpatched openraft 0.9 does not adopt a rejected
 //! request's term, so the up-to-date follower then campaigns at T+1 too, loses to the stale
 //! candidate on node id, adopts its vote and waits a whole election timeout before it tries
-//! again at T+2 (`gpuctl bench failover`: 600–950 ms instead of about 330). The stale
+//! again at T+2 (`gpuctl bench failover`: 600–1,050 ms instead of about 330). The stale
 //! candidate, for its part, keeps a "seen a greater log" backoff that unpatched openraft only
 //! clears at its next campaign, which may be many leaders later, when its log is the longest.
 //!

@@ -57,6 +57,8 @@ const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Outcome of one scheduled request.
 struct Sample {
+    /// When the schedule said to send it.
+    due: Instant,
     /// From the time it was due to the committed reply, or the error that ended it.
     result: Result<Duration, String>,
     /// From the time it was due to the time its task started sending (the generator's lag).
@@ -68,6 +70,8 @@ struct Sample {
 /// Every sample of one run, and when its schedule started.
 struct Run {
     start: Instant,
+    /// The same moment on the wall clock, to find a stall in the replicas' logs.
+    start_wall: std::time::SystemTime,
     samples: Vec<Sample>,
 }
 
@@ -86,6 +90,7 @@ pub async fn run(
     }
     let mut rows = Vec::new();
     let mut runs = Vec::new();
+    let mut notes = Vec::new();
     for &rate in &args.rates {
         for &via in &args.vias {
             settle(cluster).await;
@@ -117,6 +122,19 @@ pub async fn run(
                 );
             }
             let run = summarize(&samples);
+            let episodes = slow_episodes(&samples);
+            if let Some(worst) = episodes.iter().max_by_key(|e| e.max) {
+                notes.push(format!(
+                    "{} {rate}/s: {} requests over {} ms in {} episode(s); the worst at +{:.1} s, {} requests, up to {:.0} ms",
+                    via.name(),
+                    episodes.iter().map(|e| e.requests).sum::<usize>(),
+                    SLOW_REQUEST.as_millis(),
+                    episodes.len(),
+                    worst.at.as_secs_f64(),
+                    worst.requests,
+                    worst.max.as_secs_f64() * 1000.0,
+                ));
+            }
             // CPU the three replicas used per committed write: unlike latency, it hardly
             // depends on what else the machine is running.
             let cpu_ms_per_write = cpu * 1000.0 / run.committed.max(1) as f64;
@@ -149,6 +167,8 @@ pub async fn run(
                 "send_lag_ms": run.send_lag.json(),
                 "replica_cpu_ms_per_write": cpu_ms_per_write,
                 "loadavg_1m": load,
+                "slow_request_ms": SLOW_REQUEST.as_millis() as u64,
+                "slow_episodes": episodes.iter().map(SlowEpisode::json).collect::<Vec<_>>(),
             }));
         }
     }
@@ -178,6 +198,11 @@ pub async fn run(
             format!("; replicas run with {}", cluster.extra_args.join(" "))
         }
     );
+    let text = if notes.is_empty() {
+        text
+    } else {
+        format!("{text}{}\n", notes.join("\n"))
+    };
     let json = json!({
         "benchmark": "submit",
         "mode": "open-loop",
@@ -247,6 +272,7 @@ async fn open_loop(
     let prefix: Arc<str> = prefix.into();
     let runtime = tokio::runtime::Handle::current();
     let start = Instant::now();
+    let start_wall = std::time::SystemTime::now();
     // Paced from a thread of its own: tokio's timer rounds every deadline up to the next
     // millisecond tick, which alone would add up to 1 ms to each measured latency, whereas a
     // thread's sleep wakes within tens of microseconds. Each request then runs on its own task.
@@ -266,6 +292,7 @@ async fn open_loop(
                     .map(|_| due.elapsed())
                     .map_err(|s| format!("{:?}: {}", s.code(), s.message()));
                 Sample {
+                    due,
                     result,
                     send_lag,
                     done: Instant::now(),
@@ -281,13 +308,18 @@ async fn open_loop(
         match t.await {
             Ok(s) => samples.push(s),
             Err(e) => samples.push(Sample {
+                due: Instant::now(),
                 result: Err(format!("request task failed: {e}")),
                 send_lag: Duration::ZERO,
                 done: Instant::now(),
             }),
         }
     }
-    Ok(Run { start, samples })
+    Ok(Run {
+        start,
+        start_wall,
+        samples,
+    })
 }
 
 async fn submit(
@@ -325,6 +357,74 @@ impl Summary {
     fn json(&self) -> serde_json::Value {
         json!({"p50": self.p50, "p99": self.p99, "max": self.max, "mean": self.mean, "n": self.n})
     }
+}
+
+/// Requests slower than this are grouped into episodes: twice the p99 target of 10 ms, so
+/// the episodes are what a missed p99 is made of.
+const SLOW_REQUEST: Duration = Duration::from_millis(20);
+
+/// Slow requests due within this long of each other belong to one episode.
+const EPISODE_GAP: Duration = Duration::from_millis(100);
+
+/// A stretch of the schedule in which requests were slow: usually one stall of the cluster
+/// (a slow disk sync, a replication timeout, a snapshot) seen by every request in flight.
+struct SlowEpisode {
+    /// When the first slow request was due, from the schedule's start.
+    at: Duration,
+    /// The same moment on the wall clock, in Unix milliseconds (replica logs are in UTC).
+    wall_unix_ms: u128,
+    /// Slow requests in the episode.
+    requests: usize,
+    /// The slowest of them.
+    max: Duration,
+}
+
+impl SlowEpisode {
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "at_ms": self.at.as_millis() as u64,
+            "wall_unix_ms": self.wall_unix_ms as u64,
+            "requests": self.requests,
+            "max_ms": self.max.as_secs_f64() * 1000.0,
+        })
+    }
+}
+
+/// Groups the run's slow requests (over `SLOW_REQUEST`, or failed) into episodes, in schedule
+/// order.
+fn slow_episodes(run: &Run) -> Vec<SlowEpisode> {
+    let mut slow: Vec<(Instant, Duration)> = run
+        .samples
+        .iter()
+        .filter_map(|s| match &s.result {
+            Ok(latency) if *latency <= SLOW_REQUEST => None,
+            Ok(latency) => Some((s.due, *latency)),
+            Err(_) => Some((s.due, s.done.saturating_duration_since(s.due))),
+        })
+        .collect();
+    slow.sort_by_key(|(due, _)| *due);
+    let mut episodes: Vec<SlowEpisode> = Vec::new();
+    let mut last_due: Option<Instant> = None;
+    for (due, latency) in slow {
+        let joins = last_due.is_some_and(|last| due.duration_since(last) <= EPISODE_GAP);
+        last_due = Some(due);
+        if let (true, Some(e)) = (joins, episodes.last_mut()) {
+            e.requests += 1;
+            e.max = e.max.max(latency);
+            continue;
+        }
+        let at = due.saturating_duration_since(run.start);
+        let wall = run.start_wall + at;
+        episodes.push(SlowEpisode {
+            at,
+            wall_unix_ms: wall
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis()),
+            requests: 1,
+            max: latency,
+        });
+    }
+    episodes
 }
 
 struct RunSummary {
@@ -404,4 +504,65 @@ fn load_average() -> f64 {
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
         .unwrap_or(f64::NAN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run with one request due every millisecond, each taking `latency_ms(i)`; `None` is an
+    /// error after 50 ms.
+    fn run_of(n: u64, latency_ms: impl Fn(u64) -> Option<u64>) -> Run {
+        let start = Instant::now();
+        let samples = (0..n)
+            .map(|i| {
+                let due = start + Duration::from_millis(i);
+                let (result, done) = match latency_ms(i) {
+                    Some(ms) => (
+                        Ok(Duration::from_millis(ms)),
+                        due + Duration::from_millis(ms),
+                    ),
+                    None => (Err("timed out".to_owned()), due + Duration::from_millis(50)),
+                };
+                Sample {
+                    due,
+                    result,
+                    send_lag: Duration::ZERO,
+                    done,
+                }
+            })
+            .collect();
+        Run {
+            start,
+            start_wall: std::time::UNIX_EPOCH + Duration::from_secs(1_000),
+            samples,
+        }
+    }
+
+    #[test]
+    fn slow_requests_close_together_form_one_episode() {
+        // Fast, except a stall at 100–149 ms (one request of it failed) and one slow request
+        // at 400 ms, more than the episode gap after the stall.
+        let run = run_of(1_000, |i| match i {
+            120 => None,
+            100..=149 => Some(30 + (149 - i)),
+            400 => Some(25),
+            i if i % 2 == 0 => Some(20), // at the threshold: not slow
+            _ => Some(3),
+        });
+        let episodes = slow_episodes(&run);
+        assert_eq!(episodes.len(), 2);
+        assert_eq!(episodes[0].at, Duration::from_millis(100));
+        assert_eq!(episodes[0].wall_unix_ms, 1_000_100);
+        assert_eq!(episodes[0].requests, 50);
+        assert_eq!(episodes[0].max, Duration::from_millis(79));
+        assert_eq!(episodes[1].at, Duration::from_millis(400));
+        assert_eq!(episodes[1].requests, 1);
+        assert_eq!(episodes[1].max, Duration::from_millis(25));
+    }
+
+    #[test]
+    fn a_run_without_slow_requests_has_no_episodes() {
+        assert!(slow_episodes(&run_of(500, |_| Some(5))).is_empty());
+    }
 }

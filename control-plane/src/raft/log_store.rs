@@ -132,13 +132,11 @@ impl LogStore {
         result
     }
 
-    fn remove_range(&self, from: u64, to_inclusive: Option<u64>) -> Result<(), StorageError> {
-        let end = match to_inclusive {
-            Some(t) => Bound::Included(key(t)),
-            None => Bound::Unbounded,
-        };
+    /// Removes every entry from `from` on, atomically (one sled batch): a crash part way must
+    /// not leave a hole in the log.
+    fn remove_from(&self, from: u64) -> Result<(), StorageError> {
         let mut batch = sled::Batch::default();
-        for item in self.logs.range((Bound::Included(key(from)), end)) {
+        for item in self.logs.range(key(from)..) {
             let (k, _) = item.map_err(|e| StorageIOError::write_logs(&e))?;
             batch.remove(k);
         }
@@ -149,15 +147,33 @@ impl LogStore {
     }
 }
 
+/// Removes the entries at or before `upto` (already marked purged).
+fn remove_purged(logs: &sled::Tree, upto: u64) {
+    for k in logs.range(..=key(upto)).keys() {
+        let removed = k.and_then(|k| logs.remove(k));
+        if let Err(e) = removed {
+            // Harmless: readers skip purged entries, and the next purge tries again.
+            tracing::warn!(error = %e, upto, "removing purged Raft log entries failed");
+            return;
+        }
+    }
+}
+
 impl RaftLogReader<TypeConfig> for LogStore {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry>, StorageError> {
+        // Purged entries may still be stored until their background removal has finished.
+        let first_kept = match self.get_meta::<LogId>(LAST_PURGED)? {
+            Some(purged) => purged.index + 1,
+            None => 0,
+        };
         let start = match range.start_bound() {
-            Bound::Included(i) => Bound::Included(key(*i)),
+            Bound::Included(i) => Bound::Included(key((*i).max(first_kept))),
+            Bound::Excluded(i) if *i < first_kept => Bound::Included(key(first_kept)),
             Bound::Excluded(i) => Bound::Excluded(key(*i)),
-            Bound::Unbounded => Bound::Unbounded,
+            Bound::Unbounded => Bound::Included(key(first_kept)),
         };
         let end = match range.end_bound() {
             Bound::Included(i) => Bound::Included(key(*i)),
@@ -239,28 +255,93 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut batch = sled::Batch::default();
+        // One insert per entry, not one `sled::Batch`: sled starts every batch by sealing its
+        // IO buffer before and after the batch's manifest (`PageCache::pin_log`), so each
+        // append became three synchronous disk writes (the commit index, the manifest, the
+        // entries) instead of one. Atomicity is not needed here: entries are inserted in index
+        // order and sled recovers a prefix of its log, so a crash mid-append leaves a shorter
+        // contiguous log, which openraft expects of an append it was never told completed.
         for entry in entries {
             let bytes = encode(&entry).map_err(|e| StorageIOError::write_logs(&e))?;
-            batch.insert(&key(entry.log_id.index), bytes);
+            self.logs
+                .insert(key(entry.log_id.index), bytes)
+                .map_err(|e| StorageIOError::write_logs(&e))?;
         }
-        self.logs
-            .apply_batch(batch)
-            .map_err(|e| StorageIOError::write_logs(&e))?;
         self.flush().await?;
         callback.log_io_completed(Ok(()));
         Ok(())
     }
 
     async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        self.remove_range(log_id.index, None)?;
+        self.remove_from(log_id.index)?;
         self.flush().await
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        // Record the purge point first: entries at or before it are ignored from then on, so a
-        // crash between the two steps leaves nothing inconsistent.
+        // Record the purge point first: readers skip entries at or before it from then on, so
+        // the entries themselves can go later, and a crash before they have gone leaves
+        // nothing inconsistent (the next purge removes what is left).
         self.put_meta(LAST_PURGED, &log_id)?;
-        self.remove_range(0, Some(log_id.index))
+        // Removed in the background, one key at a time: openraft waits for `purge` before it
+        // handles anything else, and removing the 9,000 entries behind a snapshot as one sled
+        // batch (which also blocks every other sled writer) held a replica's Raft up for over
+        // 40 ms, long enough for the leader's heartbeats to it to time out.
+        let logs = self.logs.clone();
+        tokio::task::spawn_blocking(move || remove_purged(&logs, log_id.index));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, EntryPayload};
+
+    use super::*;
+
+    fn entry(index: u64) -> Entry {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Blank,
+        }
+    }
+
+    async fn indexes(
+        store: &mut LogStore,
+        range: impl RangeBounds<u64> + Clone + Debug + Send,
+    ) -> Vec<u64> {
+        let entries = store.try_get_log_entries(range).await.unwrap();
+        entries.iter().map(|e| e.log_id.index).collect()
+    }
+
+    #[tokio::test]
+    async fn purged_entries_are_skipped_until_removed_and_then_gone() {
+        let db = sled::Config::new().temporary(true).open().unwrap();
+        let mut store = LogStore::open(&db).unwrap();
+        for i in 1..=10 {
+            store
+                .logs
+                .insert(key(i), encode(&entry(i)).unwrap())
+                .unwrap();
+        }
+        // What `purge` leaves before its background removal has run.
+        store.put_meta(LAST_PURGED, &entry(4).log_id).unwrap();
+        assert_eq!(indexes(&mut store, ..).await, (5..=10).collect::<Vec<_>>());
+        assert_eq!(indexes(&mut store, 2..7).await, vec![5, 6]);
+        assert_eq!(indexes(&mut store, ..=4).await, Vec::<u64>::new());
+        let from_three = (Bound::Excluded(3), Bound::Included(6));
+        assert_eq!(indexes(&mut store, from_three).await, vec![5, 6]);
+        let from_five = (Bound::Excluded(5), Bound::Unbounded);
+        assert_eq!(
+            indexes(&mut store, from_five).await,
+            (6..=10).collect::<Vec<_>>()
+        );
+        assert_eq!(store.logs.len(), 10, "nothing removed yet");
+
+        remove_purged(&store.logs, 4);
+        assert_eq!(store.logs.len(), 6);
+        assert_eq!(indexes(&mut store, ..).await, (5..=10).collect::<Vec<_>>());
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id.map(|l| l.index), Some(4));
+        assert_eq!(state.last_log_id.map(|l| l.index), Some(10));
     }
 }

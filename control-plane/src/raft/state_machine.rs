@@ -19,8 +19,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch};
 
 pub use super::snapshot_store::SnapshotStore;
-use super::snapshot_store::{ChunkedBuf, SnapshotData, Snapshots, StoredReader};
+use super::snapshot_store::{ChunkedBuf, Pacing, SnapshotData, Snapshots, StoredReader};
 use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
+use crate::off_runtime::at_background_priority;
 use crate::state::{ClusterState, Job, Outcome};
 
 /// How many job changes a slow watcher may fall behind before it is told to re-list.
@@ -292,13 +293,17 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
         self.shared
             .snapshot_locked_us
             .store(locked.as_micros() as u64, Ordering::Relaxed);
+        let encode_meta = meta.clone();
+        let encoded = at_background_priority(move || encode_snapshot(&encode_meta, copy))
+            .await
+            .map_err(|e| write_error(&meta, &e))??;
         let shared = self.shared.clone();
-        let build_meta = meta.clone();
-        let built =
-            tokio::task::spawn_blocking(move || serialize_and_store(&shared, &build_meta, copy))
+        let store_meta = meta.clone();
+        let stored =
+            tokio::task::spawn_blocking(move || store_snapshot(&shared, &store_meta, encoded))
                 .await
                 .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
-        let (data, bytes) = built?;
+        let (data, bytes) = stored?;
         release_freed_memory();
         tracing::info!(
             bytes,
@@ -313,32 +318,43 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
     }
 }
 
-/// Serializes a snapshot's copy of the state and stores it; returns what openraft sends to
-/// followers (the state's JSON alone, read from the store) and the stored length.
-fn serialize_and_store(
+/// A snapshot serialized in memory: the header, then the state's JSON from `offset`.
+struct EncodedSnapshot {
+    bytes: ChunkedBuf,
+    offset: u64,
+}
+
+/// Serializes a snapshot's copy of the state (pure CPU; run at background priority). The
+/// copy's records are released when it returns, not after storing: records the state changed
+/// meanwhile exist twice until then.
+fn encode_snapshot(meta: &Meta, copy: StateMachineData) -> Result<EncodedSnapshot, StorageError> {
+    let mut bytes = ChunkedBuf::default();
+    let offset = write_header(&mut bytes, meta).map_err(|e| write_error(meta, &e))?;
+    serde_json::to_writer(&mut bytes, &copy).map_err(|e| StorageIOError::read_state_machine(&e))?;
+    Ok(EncodedSnapshot { bytes, offset })
+}
+
+/// Stores an encoded snapshot (at normal priority: it writes through sled's IO buffers, which
+/// the Raft log's appends share); returns what openraft sends to followers (the state's JSON
+/// alone, read from the store) and the stored length.
+fn store_snapshot(
     shared: &Shared,
     meta: &Meta,
-    copy: StateMachineData,
+    encoded: EncodedSnapshot,
 ) -> Result<(SnapshotData, u64), StorageError> {
-    let mut encoded = ChunkedBuf::default();
-    let offset = write_header(&mut encoded, meta).map_err(|e| write_error(meta, &e))?;
-    serde_json::to_writer(&mut encoded, &copy)
-        .map_err(|e| StorageIOError::read_state_machine(&e))?;
-    // The copy's records are released now, not after storing: records the state changed
-    // meanwhile exist twice until then.
-    drop(copy);
     let mut writer = shared
         .snapshots
-        .writer()
+        .writer(Pacing::Background)
         .map_err(|e| write_error(meta, &e))?;
-    let len = encoded.len();
+    let len = encoded.bytes.len();
     encoded
+        .bytes
         .store_into(&mut writer)
         .map_err(|e| write_error(meta, &e))?;
     let stored = writer.finish().map_err(|e| write_error(meta, &e))?;
     let bytes = stored.len();
     debug_assert_eq!(bytes, len);
-    let data = SnapshotData::stored(stored, offset).map_err(|e| write_error(meta, &e))?;
+    let data = SnapshotData::stored(stored, encoded.offset).map_err(|e| write_error(meta, &e))?;
     Ok((data, bytes))
 }
 
@@ -460,7 +476,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             let mut writer = self
                 .shared
                 .snapshots
-                .writer()
+                .writer(Pacing::Urgent)
                 .map_err(|e| write_error(meta, &e))?;
             write_header(&mut writer, meta).map_err(|e| write_error(meta, &e))?;
             writer

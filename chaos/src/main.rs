@@ -145,9 +145,7 @@ fn main() -> ExitCode {
         .map(|()| ExitCode::SUCCESS),
         Command::Agent(args) => std::env::current_exe()
             .context("finding the chaos binary's own path")
-            .and_then(|exe| {
-                node_agent::agent::cli::run_agent_process(args, exe, vec!["shim".into()])
-            })
+            .and_then(|exe| node_agent::agent::cli::run_agent_process(args, exe, "shim"))
             .map(|()| ExitCode::SUCCESS),
         Command::Check { history, output } => check(&history, output),
         Command::Run(args) => run_command(args),

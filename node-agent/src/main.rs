@@ -43,7 +43,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match run_agent_process(cli.agent, shim, vec!["shim".into()]) {
+    match run_agent_process(cli.agent, shim, "shim") {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("node-agent: error: {e:#}");

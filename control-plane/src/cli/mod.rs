@@ -242,7 +242,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Dev(args) => return dev::run(args),
         Command::Agent(args) => {
             let exe = std::env::current_exe().context("finding gpuctl's own path")?;
-            return node_agent::agent::cli::run_agent_process(args, exe, vec!["shim".into()]);
+            return node_agent::agent::cli::run_agent_process(args, exe, "shim");
         }
         Command::Bench { command, keep_data } => return bench::run(command, keep_data, cli.output),
         Command::Simulate { command } => return simulate::run(command, cli.output),

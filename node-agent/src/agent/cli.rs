@@ -171,9 +171,18 @@ impl AgentArgs {
 /// The whole life of an agent process: flags, logging, runtime, run until SIGTERM/Ctrl-C.
 pub fn run_agent_process(
     args: AgentArgs,
-    shim_program: PathBuf,
-    shim_args: Vec<String>,
+    own_exe: PathBuf,
+    shim_subcommand: &str,
 ) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn")
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+    let (shim_program, shim_args) = crate::runtime::shim_command(own_exe, shim_subcommand);
     let built = args.build(shim_program, shim_args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -181,14 +190,6 @@ pub fn run_agent_process(
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-            tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn")
-        });
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .with_target(false)
-            .try_init();
         super::run(
             built.config,
             built.backend,

@@ -132,6 +132,76 @@ impl ShimArgs {
     }
 }
 
+/// Identifies the shim's interface with the agent (its arguments, the exit record): a hash of
+/// the sources that define it, so an agent never starts a dedicated `gpucp-shim` left over
+/// from another build (see [`shim_command`]).
+pub const SHIM_PROTOCOL: u64 = fnv1a(include_bytes!("shim.rs"))
+    ^ fnv1a(include_bytes!("record.rs")).rotate_left(21)
+    ^ fnv1a(include_bytes!("process.rs")).rotate_left(42);
+
+/// `gpucp-shim --protocol` prints [`SHIM_PROTOCOL`].
+pub const SHIM_PROTOCOL_FLAG: &str = "--protocol";
+
+/// File name of the dedicated shim executable.
+pub const SHIM_EXECUTABLE: &str = "gpucp-shim";
+
+const fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < bytes.len() {
+        hash ^= bytes[i] as u64;
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    hash
+}
+
+/// The program and leading arguments an agent whose executable is `own_exe` starts as each
+/// allocation's shim: `gpucp-shim` beside it when that answers `--protocol` with this build's
+/// [`SHIM_PROTOCOL`], else `own_exe` with `subcommand` (the same code, in a larger binary).
+/// Checked once, when the agent starts.
+pub fn shim_command(own_exe: PathBuf, subcommand: &str) -> (PathBuf, Vec<String>) {
+    let fallback = |why: String| {
+        tracing::info!(
+            program = %own_exe.display(),
+            "workload shim: {why}; using the agent's own executable"
+        );
+        (own_exe.clone(), vec![subcommand.to_owned()])
+    };
+    let Some(dedicated) = own_exe.parent().map(|dir| dir.join(SHIM_EXECUTABLE)) else {
+        return fallback("the agent's executable has no directory".into());
+    };
+    if !dedicated.is_file() {
+        return fallback(format!("no {SHIM_EXECUTABLE} beside it"));
+    }
+    let answer = Command::new(&dedicated)
+        .arg(SHIM_PROTOCOL_FLAG)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output();
+    match answer {
+        Ok(out) if out.status.success() => {
+            let theirs = String::from_utf8_lossy(&out.stdout);
+            if theirs.trim() == SHIM_PROTOCOL.to_string() {
+                tracing::info!(program = %dedicated.display(), "workload shim");
+                (dedicated, Vec::new())
+            } else {
+                fallback(format!(
+                    "{} was built from other sources (protocol {}, this agent's {SHIM_PROTOCOL})",
+                    dedicated.display(),
+                    theirs.trim()
+                ))
+            }
+        }
+        Ok(out) => fallback(format!(
+            "{} --protocol failed ({})",
+            dedicated.display(),
+            out.status
+        )),
+        Err(e) => fallback(format!("{} does not run: {e}", dedicated.display())),
+    }
+}
+
 /// Entry point of the hidden `node-agent shim ...` subcommand; `args` excludes `shim`.
 /// Returns the shim's exit code (in practice it usually ends by its own group SIGKILL, see
 /// the module documentation).

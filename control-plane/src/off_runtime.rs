@@ -24,16 +24,22 @@ pub fn off_runtime<R>(f: impl FnOnce() -> R) -> R {
 pub async fn at_background_priority<R: Send + 'static>(
     f: impl FnOnce() -> R + Send + 'static,
 ) -> std::io::Result<R> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("background".into())
-        .spawn(move || {
-            lower_this_threads_priority();
-            // The receiver is gone only if the caller stopped waiting; nothing to report to.
-            let _ = tx.send(f());
-        })?;
-    rx.await
-        .map_err(|_| std::io::Error::other("the background thread panicked"))
+    // A fresh thread, since a thread's priority cannot be raised again without privileges;
+    // joined from a blocking task, because tokio does not advance a paused clock (the
+    // deterministic simulation's) while a blocking task runs, and would while a bare thread
+    // did.
+    let joined = tokio::task::spawn_blocking(move || {
+        std::thread::Builder::new()
+            .name("background".into())
+            .spawn(move || {
+                lower_this_threads_priority();
+                f()
+            })?
+            .join()
+            .map_err(|_| std::io::Error::other("the background thread panicked"))
+    })
+    .await;
+    joined.map_err(|e| std::io::Error::other(format!("the background task failed: {e}")))?
 }
 
 /// Nice 19 for the calling thread only (on Linux, `setpriority` on a thread id applies to that

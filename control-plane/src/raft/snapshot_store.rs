@@ -27,6 +27,20 @@ pub(crate) const SNAPSHOT_KEY: &str = "current";
 /// take the size of a stored snapshot's chunks from its first chunk: snapshots written with
 /// other sizes (4 MiB before streaming) still read.
 pub(crate) const SNAPSHOT_CHUNK_BYTES: usize = 256 * 1024;
+/// A stored snapshot's memory goes back to the OS every this many chunks (8 MiB).
+const TRIM_EVERY_CHUNKS: usize = 32;
+
+/// Hands memory freed by a large snapshot (its buffers, the old state's many small blocks) back
+/// to the OS: glibc keeps freed heap memory otherwise, and the replica's RSS would stay at the
+/// snapshot's peak.
+pub(crate) fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// After flushing a chunk, a snapshot's writer waits this many times as long as the flush
 /// took before it writes the next, leaving the disk to the Raft log most of the time.
 const STORE_PACING_FACTOR: u32 = 2;
@@ -351,10 +365,18 @@ impl ChunkedBuf {
         (self.full.len() * SNAPSHOT_CHUNK_BYTES + self.buf.len()) as u64
     }
 
-    /// Stores the bytes through `writer`, freeing each chunk once it is written.
+    /// Stores the bytes through `writer`, freeing each chunk once it is written, and handing
+    /// the freed memory back to the OS every `TRIM_EVERY_CHUNKS` chunks. Once glibc has raised
+    /// its mmap threshold (it does when any mapped block of that size is freed), the chunks
+    /// come from the heap, and freed heap memory stays resident: at a million jobs the peak
+    /// was the snapshot twice over, 1,068 MiB instead of 855 (`gpuctl bench memory`).
     pub(crate) fn store_into(self, writer: &mut SnapshotWriter<'_>) -> io::Result<()> {
-        for chunk in self.full.into_iter().chain([self.buf]) {
+        for (n, chunk) in self.full.into_iter().chain([self.buf]).enumerate() {
             writer.write_all(&chunk)?;
+            drop(chunk);
+            if (n + 1) % TRIM_EVERY_CHUNKS == 0 {
+                release_freed_memory();
+            }
         }
         Ok(())
     }

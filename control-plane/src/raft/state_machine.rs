@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch};
 
 pub use super::snapshot_store::SnapshotStore;
-use super::snapshot_store::{ChunkedBuf, Pacing, SnapshotData, Snapshots, StoredReader};
+use super::snapshot_store::{
+    ChunkedBuf, Pacing, SnapshotData, Snapshots, StoredReader, release_freed_memory,
+};
 use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
 use crate::off_runtime::at_background_priority;
 use crate::state::{ClusterState, Job, Outcome};
@@ -117,17 +119,6 @@ fn open_stored(mut reader: StoredReader) -> Result<(Meta, SnapshotData), String>
 /// state is never whole in memory next to the state decoded from it.
 fn decode_state(data: SnapshotData) -> Result<StateMachineData, serde_json::Error> {
     serde_json::from_reader(BufReader::with_capacity(256 * 1024, data))
-}
-
-/// Hands memory freed by a large snapshot (its buffers, the old state's many small blocks) back
-/// to the OS: glibc keeps freed heap memory otherwise, and the replica's RSS would stay at the
-/// snapshot's peak.
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free heap pages to the kernel; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// A job as it was right after a log entry changed it.

@@ -31,6 +31,11 @@ pub struct LogStore {
     meta: sled::Tree,
     /// Last commit index openraft reported, for status pages (0 when none).
     committed_index: Arc<AtomicU64>,
+    /// The first index after the purge point (0 when nothing was purged): entries before it
+    /// may still be stored until their background removal has finished, and readers skip
+    /// them. Kept here so that reads, on every replication request, need not decode the
+    /// stored purge point.
+    first_kept: Arc<AtomicU64>,
 }
 
 fn key(index: u64) -> [u8; 8] {
@@ -47,13 +52,28 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
 
 impl LogStore {
     pub fn open(db: &sled::Db) -> Result<LogStore, sled::Error> {
+        let meta = db.open_tree("raft_meta")?;
+        // A purge point that does not decode counts as none here; openraft reads it through
+        // `get_log_state` at start-up, which reports it as corrupt.
+        let purged = meta.get(LAST_PURGED)?;
+        let first_kept = purged
+            .and_then(|v| decode::<LogId>(&v).ok())
+            .map_or(0, |l| l.index + 1);
         let store = LogStore {
             db: db.clone(),
             logs: db.open_tree("logs")?,
-            meta: db.open_tree("raft_meta")?,
+            meta,
             committed_index: Arc::new(AtomicU64::new(0)),
+            first_kept: Arc::new(AtomicU64::new(first_kept)),
         };
         Ok(store)
+    }
+
+    /// Records the purge point: from then on readers skip the entries at or before it.
+    fn mark_purged(&self, log_id: &LogId) -> Result<(), StorageError> {
+        self.put_meta(LAST_PURGED, log_id)?;
+        self.first_kept.store(log_id.index + 1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Reads every stored entry and the metadata once, so a damaged store is found at start-up
@@ -165,10 +185,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
         range: RB,
     ) -> Result<Vec<Entry>, StorageError> {
         // Purged entries may still be stored until their background removal has finished.
-        let first_kept = match self.get_meta::<LogId>(LAST_PURGED)? {
-            Some(purged) => purged.index + 1,
-            None => 0,
-        };
+        let first_kept = self.first_kept.load(Ordering::Relaxed);
         let start = match range.start_bound() {
             Bound::Included(i) => Bound::Included(key((*i).max(first_kept))),
             Bound::Excluded(i) if *i < first_kept => Bound::Included(key(first_kept)),
@@ -281,7 +298,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // Record the purge point first: readers skip entries at or before it from then on, so
         // the entries themselves can go later, and a crash before they have gone leaves
         // nothing inconsistent (the next purge removes what is left).
-        self.put_meta(LAST_PURGED, &log_id)?;
+        self.mark_purged(&log_id)?;
         // Removed in the background, one key at a time: openraft waits for `purge` before it
         // handles anything else, and removing the 9,000 entries behind a snapshot as one sled
         // batch (which also blocks every other sled writer) held a replica's Raft up for over
@@ -324,7 +341,7 @@ mod tests {
                 .unwrap();
         }
         // What `purge` leaves before its background removal has run.
-        store.put_meta(LAST_PURGED, &entry(4).log_id).unwrap();
+        store.mark_purged(&entry(4).log_id).unwrap();
         assert_eq!(indexes(&mut store, ..).await, (5..=10).collect::<Vec<_>>());
         assert_eq!(indexes(&mut store, 2..7).await, vec![5, 6]);
         assert_eq!(indexes(&mut store, ..=4).await, Vec::<u64>::new());
@@ -336,6 +353,12 @@ mod tests {
             (6..=10).collect::<Vec<_>>()
         );
         assert_eq!(store.logs.len(), 10, "nothing removed yet");
+        let mut reopened = LogStore::open(&db).unwrap();
+        assert_eq!(
+            indexes(&mut reopened, ..).await,
+            (5..=10).collect::<Vec<_>>(),
+            "the purge point is read back at open"
+        );
 
         remove_purged(&store.logs, 4);
         assert_eq!(store.logs.len(), 6);

@@ -256,10 +256,9 @@ impl Sink {
         self.chunks += 1;
         // The Raft log shares sled's IO buffers, and a log append's flush first writes
         // everything inserted before it. Flushed chunk by chunk, with a pause after each, a
-        // snapshot never puts more than one chunk (a millisecond or two) in front of an
-        // append. Written in one go, three replicas' 6 MB snapshots (10,000 jobs) held every
-        // append up for 70–120 ms on a virtual disk (`gpuctl bench submit`), and replication
-        // timed out.
+        // snapshot never puts more than one 256 KiB chunk in front of an append. Written in
+        // one go, three replicas' 6 MB snapshots (10,000 jobs) held appends up for 70–200 ms
+        // on a virtual disk (`gpuctl bench submit`), and replication timed out.
         let started = std::time::Instant::now();
         tree.flush().map_err(sled_io)?;
         if self.pacing == Pacing::Background {

@@ -729,31 +729,11 @@ impl IoBufs {
             let f = &self.config.file;
             pwrite_all(f, data, log_offset)?;
             if !self.config.temporary {
-                #[cfg(target_os = "linux")]
-                {
-                    use std::os::unix::io::AsRawFd;
-                    let ret = unsafe {
-                        libc::sync_file_range(
-                            f.as_raw_fd(),
-                            i64::try_from(log_offset).unwrap(),
-                            i64::try_from(total_len).unwrap(),
-                            libc::SYNC_FILE_RANGE_WAIT_BEFORE
-                                | libc::SYNC_FILE_RANGE_WRITE
-                                | libc::SYNC_FILE_RANGE_WAIT_AFTER,
-                        )
-                    };
-                    if ret < 0 {
-                        let err = std::io::Error::last_os_error();
-                        if let Some(libc::ENOSYS) = err.raw_os_error() {
-                            f.sync_all()?;
-                        } else {
-                            return Err(err.into());
-                        }
-                    }
-                }
-
-                #[cfg(not(target_os = "linux"))]
-                f.sync_all()?;
+                // PATCHED: `fdatasync` instead of Linux's `sync_file_range`. The latter starts
+                // and waits for writeback of this range only: it neither flushes the disk's
+                // volatile write cache nor persists the file size when the write extended the
+                // log, so an acknowledged write could be lost to a power failure.
+                f.sync_data()?;
             }
         }
         io_fail!(self, "buffer write post");

@@ -37,17 +37,24 @@ impl Defaults {
     /// follower waits 240–300 ms (6–7 missed heartbeats) after the last one, plus up to one
     /// tick (60 ms): a dead leader is replaced in about a third of a second (p50 314 ms, first
     /// new placement 329 ms over 20 kills, `gpuctl bench failover`), while shorter stalls of a
-    /// loaded 2-core host (fsync, CPU) do not trigger elections. openraft also gives up on an
-    /// AppendEntries after one heartbeat interval, which is why the heartbeat stays at 40 ms.
+    /// loaded 2-core host (fsync, CPU) do not trigger elections.
     pub const HEARTBEAT_MS: u64 = 40;
+    /// How long the leader waits for a follower to accept an AppendEntries that carries
+    /// entries (a heartbeat still gets one heartbeat interval). openraft 0.9 used the heartbeat
+    /// interval for both; a follower that needed longer than 40 ms to decode, store and sync a
+    /// batch never acknowledged it, because each retry resent the same batch and timed out
+    /// again: `gpuctl bench placement --hosts 1000` resent one 32-entry batch 19 times, and
+    /// the leader's view of that follower stopped advancing (our openraft patch, PATCHED.md).
+    /// A follower that is gone fails faster than this (connection refused or reset); this
+    /// bounds only a stuck or partitioned one, whose retry then waits this long.
+    pub const APPEND_ENTRIES_TIMEOUT_MS: u64 = 1_000;
     pub const ELECTION_MIN_MS: u64 = 90;
     pub const ELECTION_MAX_MS: u64 = 150;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
     /// Most log entries in one AppendEntries (openraft's default is 300). Under a burst, an
     /// entry is a batch of up to 512 submissions; 300 of them took a loaded follower 80–120 ms
-    /// to accept, past the one-heartbeat (40 ms) limit openraft gives an AppendEntries, so the
-    /// leader timed out, backed off and resent them while the follower heard nothing else,
-    /// and leadership churned (`gpuctl bench placement --hosts 1000 --jobs 100000` stalled).
+    /// to accept, and while it does, the leader sends that follower nothing else (not even a
+    /// heartbeat): smaller batches keep the gaps short.
     pub const MAX_ENTRIES_PER_APPEND: u64 = 32;
     /// sled's page cache. Its own default (1 GiB) kept the latest snapshot, a single value of
     /// hundreds of megabytes with a million job records, resident next to the state it was

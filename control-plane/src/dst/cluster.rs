@@ -123,6 +123,16 @@ impl SimCluster {
         self.slots().get(&id).and_then(|s| s.running.clone())
     }
 
+    /// Every later log append on replica `id` takes `delay` to become durable.
+    pub fn slow_disk(&self, id: NodeId, delay: std::time::Duration) {
+        if let Some(slot) = self.slots().get(&id) {
+            slot.disk
+                .lock()
+                .expect("simulated disk lock poisoned")
+                .sync_delay = delay;
+        }
+    }
+
     pub fn all_running(&self) -> Vec<Running> {
         self.slots()
             .values()

@@ -40,7 +40,7 @@ fn tuning() -> RaftTuning {
 }
 
 /// Runs `f` on a current-thread runtime with a paused clock, as `runner::run_seed` does.
-fn simulated<F: std::future::Future>(f: F) -> F::Output {
+pub(super) fn simulated<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -50,7 +50,7 @@ fn simulated<F: std::future::Future>(f: F) -> F::Output {
 }
 
 /// Three replicas; replica 1 leads and has committed one entry that every replica applied.
-async fn started_cluster() -> (Arc<SimCluster>, SimNet) {
+pub(super) async fn started_cluster() -> (Arc<SimCluster>, SimNet) {
     let net = SimNet::new(11, 0, 1);
     let replicas: Vec<(NodeId, u64, i64)> = ELECTION_MS.iter().map(|&(id, e)| (id, e, 0)).collect();
     let cluster = Arc::new(SimCluster::new(
@@ -78,7 +78,7 @@ async fn started_cluster() -> (Arc<SimCluster>, SimNet) {
     (cluster, net)
 }
 
-async fn write_tenant(cluster: &SimCluster, leader: NodeId) {
+pub(super) async fn write_tenant(cluster: &SimCluster, leader: NodeId) {
     let tenant = super::workload::tenants().remove(0);
     cluster
         .running(leader)
@@ -89,7 +89,7 @@ async fn write_tenant(cluster: &SimCluster, leader: NodeId) {
         .expect("a write with a quorum up");
 }
 
-fn last_log_index(cluster: &SimCluster, id: NodeId) -> Option<u64> {
+pub(super) fn last_log_index(cluster: &SimCluster, id: NodeId) -> Option<u64> {
     let running = cluster.running(id).expect("replica runs");
     running.replica.raft.metrics().borrow().last_log_index
 }

@@ -38,6 +38,8 @@ pub mod faults;
 pub mod net;
 pub mod params;
 pub mod runner;
+#[cfg(test)]
+mod slow_follower;
 pub mod store;
 pub mod workload;
 pub mod world;

@@ -67,6 +67,8 @@ struct NetState {
     links: BTreeMap<(Endpoint, Endpoint), SplitMix64>,
     /// Directed links that are cut, with how many active faults cut them (faults overlap).
     cut: BTreeMap<(Endpoint, Endpoint), u32>,
+    /// Directed links whose every message takes this many ms more (a slow follower).
+    slow: BTreeMap<(Endpoint, Endpoint), u64>,
     loss_permille: u64,
     max_delay_ms: u64,
     /// Running replicas: incarnation number and Raft handle. Absent while crashed.
@@ -87,6 +89,7 @@ impl SimNet {
             seed,
             links: BTreeMap::new(),
             cut: BTreeMap::new(),
+            slow: BTreeMap::new(),
             loss_permille,
             max_delay_ms: max_delay_ms.max(1),
             replicas: BTreeMap::new(),
@@ -139,6 +142,12 @@ impl SimNet {
         }
     }
 
+    /// Every later message on this directed link takes `extra_ms` more. Draws nothing from
+    /// the seed's random streams, so the rest of a seed's run is unchanged.
+    pub fn slow_down(&self, from: Endpoint, to: Endpoint, extra_ms: u64) {
+        self.state().slow.insert((from, to), extra_ms);
+    }
+
     pub fn set_loss(&self, permille: u64) {
         self.state().loss_permille = permille;
     }
@@ -170,8 +179,9 @@ impl SimNet {
                 .links
                 .entry((from, to))
                 .or_insert_with(|| SplitMix64::new(mix64(seed ^ (from.code() << 20) ^ to.code())));
-            let delay = 1 + rng.below(max);
+            let drawn = 1 + rng.below(max);
             let lost = rng.below(1000) < loss;
+            let delay = drawn + s.slow.get(&(from, to)).copied().unwrap_or(0);
             if lost {
                 s.stats.lost += 1;
             }

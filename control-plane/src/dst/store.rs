@@ -27,6 +27,8 @@ pub struct Disk {
     committed: Option<LogId>,
     last_purged: Option<LogId>,
     logs: BTreeMap<u64, Entry>,
+    /// How long an append takes to become durable (simulated time): a slow disk.
+    pub sync_delay: std::time::Duration,
 }
 
 #[derive(Clone)]
@@ -131,6 +133,10 @@ impl RaftLogStorage<TypeConfig> for MemLogStore {
         I::IntoIter: OptionalSend,
     {
         let entries: Vec<Entry> = entries.into_iter().collect();
+        let sync_delay = self.disk().sync_delay;
+        if !sync_delay.is_zero() {
+            tokio::time::sleep(sync_delay).await;
+        }
         self.write(|d| {
             for e in entries {
                 d.logs.insert(e.log_id.index, e);

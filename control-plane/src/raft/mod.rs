@@ -61,6 +61,7 @@ impl RaftTuning {
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.snapshot_every),
             max_in_snapshot_log_to_keep: self.keep_behind_snapshot,
             max_payload_entries: crate::config::Defaults::MAX_ENTRIES_PER_APPEND,
+            append_entries_timeout: crate::config::Defaults::APPEND_ENTRIES_TIMEOUT_MS,
             install_snapshot_timeout: 2_000,
             ..Default::default()
         };

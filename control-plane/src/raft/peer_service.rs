@@ -53,8 +53,8 @@ impl RaftPeer for PeerService {
         let result = self.raft.append_entries(req).await;
         let took = received.elapsed();
         if took >= SLOW_APPEND {
-            // The leader gives up on an AppendEntries after one heartbeat interval and backs
-            // off before it retries: every write waiting on this follower waits that long too.
+            // Every write waiting on this follower waits this long too; past the leader's
+            // AppendEntries timeout it gives up and resends the batch.
             tracing::info!(
                 took_ms = took.as_millis() as u64,
                 entries,

@@ -134,6 +134,12 @@ pub struct Config {
     #[clap(long, default_value = "200")]
     pub install_snapshot_timeout: u64,
 
+    /// PATCHED: the timeout for an AppendEntries RPC that carries entries, in milliseconds.
+    /// `0` (the default) means `heartbeat_interval`, which is what upstream uses for every
+    /// AppendEntries.
+    #[clap(long, default_value = "0")]
+    pub append_entries_timeout: u64,
+
     /// The timeout for sending a **non-last** snapshot segment, in milliseconds.
     ///
     /// It is disabled by default, by setting it to `0`.
@@ -260,6 +266,15 @@ impl Config {
     /// Get the timeout for sending and installing the last snapshot segment.
     pub fn install_snapshot_timeout(&self) -> Duration {
         Duration::from_millis(self.install_snapshot_timeout)
+    }
+
+    /// PATCHED: the timeout for an AppendEntries RPC that carries entries.
+    pub fn append_entries_timeout(&self) -> Duration {
+        if self.append_entries_timeout == 0 {
+            Duration::from_millis(self.heartbeat_interval)
+        } else {
+            Duration::from_millis(self.append_entries_timeout)
+        }
     }
 
     /// Get the timeout for sending a non-last snapshot segment.

@@ -1637,7 +1637,16 @@ where
                 let last_log_id = entries.last().unwrap().get_log_id().clone();
                 tracing::debug!("AppendInputEntries: {}", DisplaySlice::<_>(&entries),);
 
-                self.append_to_log(entries, vote, last_log_id.clone()).await?;
+                self.append_to_log(entries, vote.clone(), last_log_id.clone()).await?;
+
+                // PATCHED: a follower counts the end of a write of its leader's entries as
+                // hearing from that leader. This core waits for the write to reach the disk and
+                // handles nothing else meanwhile; ticks queued during a slow sync come first
+                // afterwards, and without this the follower would campaign against a live
+                // leader because its own disk was slow.
+                if self.engine.state.vote_ref() == &vote && !self.engine.state.is_leader(&self.id) {
+                    self.engine.state.vote.touch(C::now());
+                }
 
                 // The leader may have changed.
                 // But reporting to a different leader is not a problem.

@@ -355,7 +355,7 @@ where
     /// Send an AppendEntries RPC to the target.
     ///
     /// This request will timeout if no response is received within the
-    /// configured heartbeat interval.
+    /// configured heartbeat interval (PATCHED: `append_entries_timeout` when it carries entries).
     ///
     /// If an RPC is made but not completely finished, it returns the next action expected to do.
     #[tracing::instrument(level = "debug", skip_all)]
@@ -452,7 +452,15 @@ where
             self.config.heartbeat_interval
         );
 
-        let the_timeout = Duration::from_millis(self.config.heartbeat_interval);
+        // PATCHED: entries get their own, longer timeout. With the heartbeat interval, a
+        // follower that needs longer than that to decode, store and sync a full batch (a slow
+        // disk sync, a busy core) never acknowledges it: every retry resends the same batch,
+        // which times out again, and the leader's view of that follower stays where it was.
+        let the_timeout = if payload.entries.is_empty() {
+            Duration::from_millis(self.config.heartbeat_interval)
+        } else {
+            self.config.append_entries_timeout()
+        };
         let option = RPCOption::new(the_timeout);
         let res = C::timeout(the_timeout, self.network.append_entries(payload, option)).await;
 

@@ -65,7 +65,8 @@ impl<'s> Releases<'s> {
         live: &'s [LiveAllocation<'s>],
     ) -> Releases<'s> {
         let nodes = placer.fleet.nodes.len();
-        let mut entries: Vec<(NodeIdx, Release<'s>)> = Vec::with_capacity(live.len());
+        let mut entries: Vec<(NodeIdx, Release<'s>)> =
+            Vec::with_capacity(live.len() + planned.len());
         for a in live {
             let (Some(idx), Some(at)) = (a.node, a.ends_at) else {
                 continue;
@@ -102,6 +103,11 @@ impl<'s> Releases<'s> {
             flat[start[i] as usize..start[i + 1] as usize].sort_by_key(|r| r.at);
         }
         Releases { flat, start }
+    }
+
+    /// How many nodes have any release.
+    fn nodes_with_releases(&self) -> usize {
+        self.start.windows(2).filter(|w| w[0] < w[1]).count()
     }
 
     fn of(&self, idx: NodeIdx) -> &[Release<'s>] {
@@ -248,7 +254,9 @@ pub fn reserve<'s>(
     let mut memo = FitMemo::default();
     // Tasks that fit on each node now.
     let mut current: Vec<u32> = vec![0; nodes];
-    let mut timelines: Vec<Timeline> = Vec::new();
+    // Sized up front: a timeline holds a node's free resources, and growing the vector copied
+    // them again and again.
+    let mut timelines: Vec<Timeline> = Vec::with_capacity(releases.nodes_with_releases());
     // Node → its timeline, for nodes with releases.
     let mut timeline_of: Vec<u32> = vec![u32::MAX; nodes];
     let mut queue: BinaryHeap<Reverse<(Timestamp, NodeIdx)>> = BinaryHeap::new();

@@ -126,6 +126,9 @@ impl<'a> NodeNames<'a> {
 }
 pub type GroupId = u32;
 
+/// Link ranks between a node's GPUs, shared by every host of its hardware class.
+pub type Ranks = Arc<Vec<Vec<u32>>>;
+
 pub use crate::state::free::{MAX_GPUS, MAX_SLICES, NodeFree};
 
 /// What makes two nodes interchangeable for placement: same hardware, same partition, same
@@ -180,6 +183,9 @@ pub struct Fleet<'a> {
     pub events: Vec<GroupEvent>,
     /// Nodes held for the reservation, in index order.
     pub reserved: BTreeSet<NodeIdx>,
+    /// Counts changes to the held nodes (which, and what is free on them or in their shadow),
+    /// so that answers about them can be kept until the next change.
+    held_version: u64,
     /// Whether any node carries a `rack` label (gangs then prefer one rack); found on first
     /// use.
     has_racks: OnceCell<bool>,
@@ -209,6 +215,7 @@ impl<'a> Fleet<'a> {
             group_of: FastMap::default(),
             events: Vec::new(),
             reserved: BTreeSet::new(),
+            held_version: 0,
             has_racks: OnceCell::new(),
             racks: OnceCell::new(),
         };
@@ -223,7 +230,18 @@ impl<'a> Fleet<'a> {
         // comparing names at all; otherwise they are merge-walked by name.
         let aligned = state.index.node_free.len() == state.nodes.len()
             && state.index.hardware_class.len() == state.nodes.len();
-        let mut previous: Option<(GroupKey, GroupId)> = None;
+        // The last group met of each hardware class (the first `RECENT` classes): hosts of one
+        // class in the same state are common, and classes alternate along the names ("eight
+        // DGX, one V100, one L40S"), so comparing with that group's key spares most hashing of
+        // keys (a node's free resources are a few hundred bytes).
+        const RECENT: usize = 16;
+        let mut recent: Vec<(u64, GroupId)> = Vec::new();
+        // The previous node's hardware class, model and link ranks: neighbours usually share
+        // their class, and then need no lookup.
+        let mut previous_class: Option<(u64, &'a str, Ranks)> = None;
+        // Each group's members, in index order, turned into sets at the end: inserting ten
+        // thousand nodes one by one into sets showed in profiles.
+        let mut members: Vec<Vec<NodeIdx>> = Vec::new();
         let mut frees = state.index.node_free.iter().peekable();
         let mut classes = state.index.hardware_class.iter().peekable();
         for (name, node) in &state.nodes {
@@ -232,11 +250,11 @@ impl<'a> Fleet<'a> {
                 let class = classes.next();
                 debug_assert!(free.is_some_and(|(n, _)| n == name));
                 debug_assert!(class.is_some_and(|(n, _)| n == name));
-                (free.map(|(_, f)| *f), class.map(|(_, c)| *c))
+                (free.map(|(_, f)| f), class.map(|(_, c)| *c))
             } else {
                 while frees.next_if(|(n, _)| *n < name).is_some() {}
                 while classes.next_if(|(n, _)| *n < name).is_some() {}
-                let free = frees.next_if(|(n, _)| *n == name).map(|(_, f)| *f);
+                let free = frees.next_if(|(n, _)| *n == name).map(|(_, f)| f);
                 let class = classes.next_if(|(n, _)| *n == name).map(|(_, c)| *c);
                 (free, class)
             };
@@ -244,46 +262,94 @@ impl<'a> Fleet<'a> {
             if node.status != NodeStatus::Ready {
                 continue;
             }
-            let free = free.unwrap_or_else(|| NodeFree::capacity(node));
+            // Borrowed from the index: a node's free resources are copied once, into the fleet.
+            let capacity;
+            let free: &NodeFree = match free {
+                Some(f) => f,
+                None => {
+                    capacity = NodeFree::capacity(node);
+                    &capacity
+                }
+            };
             let idx = fleet.nodes.len() as NodeIdx;
-            let first_model = || node.spec.gpus.first().map_or("", |g| g.model.as_str());
-            let model = match class {
-                Some(c) => *model_of.entry(c).or_insert_with(first_model),
-                None => first_model(),
+            let (model, ranks) = match (&previous_class, class) {
+                (Some((c, model, ranks)), Some(class)) if *c == class => (*model, ranks.clone()),
+                _ => {
+                    let first_model = || node.spec.gpus.first().map_or("", |g| g.model.as_str());
+                    let model = match class {
+                        Some(c) => *model_of.entry(c).or_insert_with(first_model),
+                        None => first_model(),
+                    };
+                    let ranks = ranks_of
+                        .entry(hardware)
+                        .or_insert_with(|| Arc::new(rank_matrix(&node.spec.topology)))
+                        .clone();
+                    if let Some(c) = class {
+                        previous_class = Some((c, model, ranks.clone()));
+                    }
+                    (model, ranks)
+                }
             };
-            let ranks = ranks_of
-                .entry(hardware)
-                .or_insert_with(|| Arc::new(rank_matrix(&node.spec.topology)))
-                .clone();
-            let key = GroupKey {
-                hardware,
-                partition: node.spec.partition.as_deref(),
-                free,
-            };
-            // Neighbouring nodes are often identical (same hardware, same free resources):
-            // comparing with the previous key is cheaper than hashing it again.
-            let group = match &previous {
-                Some((k, g)) if *k == key => {
-                    fleet.groups[*g as usize].members.insert(idx);
-                    *g
+            let partition = node.spec.partition.as_deref();
+            let last = recent.iter().position(|&(h, _)| h == hardware);
+            let group = match last.map(|i| recent[i].1) {
+                Some(g)
+                    if fleet.groups[g as usize].key.partition == partition
+                        && fleet.groups[g as usize].key.free == *free =>
+                {
+                    g
                 }
                 _ => {
-                    let g = fleet.join(key.clone(), idx);
-                    previous = Some((key, g));
+                    let key = GroupKey {
+                        hardware,
+                        partition,
+                        free: *free,
+                    };
+                    let g = fleet.group_for(key, idx);
+                    match last {
+                        Some(i) => recent[i].1 = g,
+                        None if recent.len() < RECENT => recent.push((hardware, g)),
+                        None => {}
+                    }
                     g
                 }
             };
+            if members.len() <= group as usize {
+                members.resize_with(group as usize + 1, Vec::new);
+            }
+            members[group as usize].push(idx);
             fleet.nodes.push(FleetNode {
                 node,
                 model,
-                free,
+                free: *free,
                 group,
                 ranks,
                 shadow: None,
             });
             fleet.index_of.insert(node.spec.name.as_str(), idx);
         }
+        for (group, members) in fleet.groups.iter_mut().zip(members) {
+            // Sorted input: the set is built in one go.
+            group.members = members.into_iter().collect();
+        }
         fleet
+    }
+
+    /// The group of `key`, created (and announced as filled) if there is none: for
+    /// [`Fleet::build`], which adds the members itself.
+    fn group_for(&mut self, key: GroupKey<'a>, idx: NodeIdx) -> GroupId {
+        if let Some(&g) = self.group_of.get(&key) {
+            return g;
+        }
+        let g = self.groups.len() as GroupId;
+        self.group_of.insert(key.clone(), g);
+        self.groups.push(Group {
+            key,
+            members: BTreeSet::new(),
+            sample: idx,
+        });
+        self.events.push(GroupEvent::Filled(g));
+        g
     }
 
     fn join(&mut self, key: GroupKey<'a>, idx: NodeIdx) -> GroupId {
@@ -321,6 +387,7 @@ impl<'a> Fleet<'a> {
         let n = &self.nodes[idx as usize];
         if n.shadow.is_some() {
             self.nodes[idx as usize].free = free;
+            self.held_version += 1;
             return;
         }
         let key = GroupKey {
@@ -340,6 +407,18 @@ impl<'a> Fleet<'a> {
         self.leave(idx);
         self.nodes[idx as usize].shadow = Some(Box::new(shadow));
         self.reserved.insert(idx);
+        self.held_version += 1;
+    }
+
+    /// Replaces a held node's shadow.
+    pub fn set_shadow(&mut self, idx: NodeIdx, shadow: Option<NodeFree>) {
+        self.nodes[idx as usize].shadow = shadow.map(Box::new);
+        self.held_version += 1;
+    }
+
+    /// Changes with every change to the held nodes (see `held_version`).
+    pub fn held_version(&self) -> u64 {
+        self.held_version
     }
 
     /// Whether any node carries a `rack` label.

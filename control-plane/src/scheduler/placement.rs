@@ -407,6 +407,17 @@ pub struct Ranking {
     cursor: usize,
     /// (group, cap) → tasks of the shape a node of the group holds, up to cap.
     capacity: FastMap<(GroupId, u32), u32>,
+    /// The fits on the nodes held for the reservation, for short (`[0]`) and long (`[1]`)
+    /// tasks, as of the fleet's `held_version`: every job asks about every held node, and
+    /// their resources change only when a job lands on one.
+    held: [Option<HeldFits>; 2],
+}
+
+/// The fit of a task on each node held for the reservation (in index order), as of one
+/// `Fleet::held_version`.
+struct HeldFits {
+    version: u64,
+    fits: Vec<(NodeIdx, Option<TaskFit>)>,
 }
 
 impl Ranking {
@@ -426,6 +437,41 @@ impl Ranking {
                 }
             }
         }
+    }
+
+    /// Brings the fits on the held nodes up to date for tasks of `shape` (for a long task,
+    /// only what the reservation leaves there counts).
+    fn refresh_held(&mut self, fleet: &Fleet, sc: &Scorer, shape: &Shape, long: bool) {
+        let cached = &mut self.held[usize::from(long)];
+        if cached
+            .as_ref()
+            .is_some_and(|h| h.version == fleet.held_version())
+        {
+            return;
+        }
+        let fits = fleet
+            .reserved
+            .iter()
+            .map(|&idx| {
+                let n = &fleet.nodes[idx as usize];
+                let view = match (&n.shadow, long) {
+                    (Some(shadow), true) => n.free.min(shadow),
+                    _ => n.free,
+                };
+                (idx, evaluate_node(sc, n, &view, shape))
+            })
+            .collect();
+        *cached = Some(HeldFits {
+            version: fleet.held_version(),
+            fits,
+        });
+    }
+
+    /// The fits on the held nodes, as of the last `refresh_held`.
+    fn held(&self, long: bool) -> &[(NodeIdx, Option<TaskFit>)] {
+        self.held[usize::from(long)]
+            .as_ref()
+            .map_or(&[], |h| &h.fits)
     }
 
     fn eval(&mut self, fleet: &Fleet, sc: &Scorer, shape: &Shape, g: GroupId) -> Option<&TaskFit> {
@@ -542,7 +588,9 @@ pub fn count_fit(
 pub struct Placer<'a> {
     pub fleet: Fleet<'a>,
     pub scorer: Scorer,
-    rankings: FastMap<Shape, Ranking>,
+    /// Shape → its ranking's position in `rankings` (one hash of the shape per question).
+    shape_ids: FastMap<Shape, usize>,
+    rankings: Vec<Ranking>,
 }
 
 /// A placed task: node and units.
@@ -553,48 +601,48 @@ impl<'a> Placer<'a> {
         Placer {
             fleet,
             scorer,
-            rankings: FastMap::default(),
+            shape_ids: FastMap::default(),
+            rankings: Vec::new(),
         }
     }
 
-    fn ranking(&mut self, shape: &Shape) -> &mut Ranking {
-        if !self.rankings.contains_key(shape) {
-            self.rankings.insert(shape.clone(), Ranking::default());
-        }
-        let r = self.rankings.get_mut(shape).expect("inserted above");
-        r.sync(&self.fleet, &self.scorer, shape);
-        r
+    /// The position of the shape's ranking, synced with the fleet.
+    fn ranking_id(&mut self, shape: &Shape) -> usize {
+        let id = match self.shape_ids.get(shape) {
+            Some(&id) => id,
+            None => {
+                let id = self.rankings.len();
+                self.shape_ids.insert(shape.clone(), id);
+                self.rankings.push(Ranking::default());
+                id
+            }
+        };
+        self.rankings[id].sync(&self.fleet, &self.scorer, shape);
+        id
     }
 
     /// Where a task would go (without taking it). `long`: the task would still run when the
     /// backfill reservation starts, so on reserved nodes it may only use what the reservation
     /// leaves.
     pub fn best_for_task(&mut self, shape: &Shape, long: bool) -> Option<(NodeIdx, TaskFit)> {
-        let ranking = self.ranking(shape);
-        let mut best: Option<(ScoreKey, NodeIdx, TaskFit)> = None;
+        let id = self.ranking_id(shape);
+        self.rankings[id].refresh_held(&self.fleet, &self.scorer, shape, long);
+        let ranking = &self.rankings[id];
+        let mut best: Option<(ScoreKey, NodeIdx, &TaskFit)> = None;
         if let Some(&(key, g)) = ranking.ranked.first()
             && let Some(Some(Some(fit))) = ranking.evals.get(g as usize)
+            && let Some(idx) = self.fleet.representative(g)
         {
-            let fit = fit.clone();
-            if let Some(idx) = self.fleet.representative(g) {
-                best = Some((key, idx, fit));
-            }
+            best = Some((key, idx, fit));
         }
-        for &idx in &self.fleet.reserved {
-            let n = &self.fleet.nodes[idx as usize];
-            let view = match (&n.shadow, long) {
-                (Some(shadow), true) => n.free.min(shadow),
-                _ => n.free,
-            };
-            if let Some(fit) = evaluate_node(&self.scorer, n, &view, shape)
-                && best
-                    .as_ref()
-                    .is_none_or(|(k, i, _)| (fit.key, idx) < (*k, *i))
+        for (idx, fit) in ranking.held(long) {
+            if let Some(fit) = fit
+                && best.is_none_or(|(k, i, _)| (fit.key, *idx) < (k, i))
             {
-                best = Some((fit.key, idx, fit));
+                best = Some((fit.key, *idx, fit));
             }
         }
-        best.map(|(_, idx, fit)| (idx, fit))
+        best.map(|(_, idx, fit)| (idx, fit.clone()))
     }
 
     /// Takes a task's units on a node (and on a reserved node, out of its shadow too when the
@@ -604,7 +652,7 @@ impl<'a> Placer<'a> {
         let free = take(n.node, &n.free, shape, units);
         if long && let Some(shadow) = &n.shadow {
             let shadow = take(n.node, shadow, shape, units);
-            self.fleet.nodes[idx as usize].shadow = Some(Box::new(shadow));
+            self.fleet.set_shadow(idx, Some(shadow));
         }
         self.fleet.set_free(idx, free);
     }
@@ -612,7 +660,7 @@ impl<'a> Placer<'a> {
     fn restore(&mut self, undo: Vec<(NodeIdx, NodeFree, Option<NodeFree>)>) {
         for (idx, free, shadow) in undo.into_iter().rev() {
             if self.fleet.nodes[idx as usize].shadow.is_some() {
-                self.fleet.nodes[idx as usize].shadow = shadow.map(Box::new);
+                self.fleet.set_shadow(idx, shadow);
             }
             self.fleet.set_free(idx, free);
         }
@@ -632,7 +680,8 @@ impl<'a> Placer<'a> {
             return Some(placed);
         }
         let mut undo = Vec::new();
-        let mut placed = Vec::with_capacity(tasks as usize);
+        // Allocated on the first task found: on a full fleet most jobs find none.
+        let mut placed = Vec::new();
         for _ in 0..tasks {
             let Some((idx, fit)) = self.best_for_task(shape, long) else {
                 self.restore(undo);
@@ -640,23 +689,22 @@ impl<'a> Placer<'a> {
             };
             undo.push(self.snapshot(idx));
             self.commit(idx, shape, &fit.units, long);
+            if placed.capacity() == 0 {
+                placed.reserve_exact(tasks as usize);
+            }
             placed.push((idx, fit.units));
         }
         Some(placed)
     }
 
     /// How many tasks of `shape` fit on a node of group `g` (up to `max`), cached per group.
-    fn tasks_per_node(&mut self, shape: &Shape, g: GroupId, max: u32) -> u32 {
-        if let Some(&n) = self.rankings[shape].capacity.get(&(g, max)) {
+    fn tasks_per_node(&mut self, shape: &Shape, id: usize, g: GroupId, max: u32) -> u32 {
+        if let Some(&n) = self.rankings[id].capacity.get(&(g, max)) {
             return n;
         }
         let sample = self.fleet.groups[g as usize].sample;
         let n = count_fit(self, sample, self.fleet.group_free(g), shape, max).0;
-        self.rankings
-            .get_mut(shape)
-            .expect("ranking synced by the caller")
-            .capacity
-            .insert((g, max), n);
+        self.rankings[id].capacity.insert((g, max), n);
         n
     }
 
@@ -671,16 +719,12 @@ impl<'a> Placer<'a> {
         long: bool,
     ) -> Option<Vec<PlacedTask>> {
         const MAX_TRIALS: usize = 8;
-        self.ranking(shape);
-        let groups: Vec<GroupId> = self.rankings[shape]
-            .ranked
-            .iter()
-            .map(|(_, g)| *g)
-            .collect();
+        let id = self.ranking_id(shape);
+        let groups: Vec<GroupId> = self.rankings[id].ranked.iter().map(|(_, g)| *g).collect();
         let mut credit: BTreeMap<&str, u32> = BTreeMap::new();
         let mut tried = 0;
         for g in groups {
-            let per_node = self.tasks_per_node(shape, g, tasks);
+            let per_node = self.tasks_per_node(shape, id, g, tasks);
             if per_node == 0 {
                 continue;
             }
@@ -734,9 +778,9 @@ impl<'a> Placer<'a> {
         let mut undo = Vec::new();
         let mut placed = Vec::new();
         for _ in 0..tasks {
-            self.ranking(shape);
             // One lookup of the shape's ranking per task, not one per node of the rack.
-            let ranking = self.rankings.get_mut(shape).expect("synced above");
+            let id = self.ranking_id(shape);
+            let ranking = &mut self.rankings[id];
             let mut pick: Option<(ScoreKey, NodeIdx)> = None;
             for &idx in &nodes {
                 let n = &self.fleet.nodes[idx as usize];

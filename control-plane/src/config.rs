@@ -45,9 +45,14 @@ impl Defaults {
     /// batch never acknowledged it, because each retry resent the same batch and timed out
     /// again: `gpuctl bench placement --hosts 1000` resent one 32-entry batch 19 times, and
     /// the leader's view of that follower stopped advancing (our openraft patch, PATCHED.md).
-    /// A follower that is gone fails faster than this (connection refused or reset); this
-    /// bounds only a stuck or partitioned one, whose retry then waits this long.
-    pub const APPEND_ENTRIES_TIMEOUT_MS: u64 = 1_000;
+    /// A retry resends entries the follower already stored, which it accepts without writing
+    /// them again, so a limit that covers decoding a batch breaks that loop. It must also stay
+    /// well below `max_quorum_silence` (two election timeouts, 300 ms): while an AppendEntries
+    /// is out, openraft sends that follower nothing else, not even heartbeats, so a lost one
+    /// costs this long without acknowledgements from that follower. At 1 s, message loss in the
+    /// simulation (`gpuctl simulate cluster`, seed 463) kept the leader's quorum silent long
+    /// enough that it refused agent leases and assignment streams for good.
+    pub const APPEND_ENTRIES_TIMEOUT_MS: u64 = 150;
     pub const ELECTION_MIN_MS: u64 = 90;
     pub const ELECTION_MAX_MS: u64 = 150;
     pub const SNAPSHOT_EVERY: u64 = 10_000;

@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::elections::{last_log_index, simulated, started_cluster, write_tenant};
 use super::net::Endpoint;
 
-/// Longer than the 40 ms heartbeat interval, far below the AppendEntries timeout.
+/// Longer than the 40 ms heartbeat interval, below the 150 ms AppendEntries timeout.
 const SLOW_LINK_MS: u64 = 60;
 
 #[test]

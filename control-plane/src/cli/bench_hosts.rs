@@ -60,8 +60,34 @@ pub struct FleetCounters {
     pub finished: AtomicU64,
     pub stopped: AtomicU64,
     pub report_errors: AtomicU64,
+    /// Reports refused with a code that is not retried, by code: how many, and the first
+    /// message. Each is a finish the control plane never heard of.
+    pub report_refusals: Mutex<BTreeMap<String, (u64, String)>>,
     /// Assignment streams opened (the first per host included).
     pub watch_connects: AtomicU64,
+}
+
+impl FleetCounters {
+    fn refused(&self, status: &Status) {
+        let mut refusals = self.report_refusals.lock().expect("fleet lock poisoned");
+        let entry = refusals
+            .entry(format!("{:?}", status.code()))
+            .or_insert_with(|| (0, status.message().to_owned()));
+        entry.0 += 1;
+    }
+
+    /// The refusals in one line, e.g. `Internal x3 ("...")`; "none" when there were none.
+    pub fn refusals_summary(&self) -> String {
+        let refusals = self.report_refusals.lock().expect("fleet lock poisoned");
+        if refusals.is_empty() {
+            return "none".to_owned();
+        }
+        refusals
+            .iter()
+            .map(|(code, (n, first))| format!("{code} x{n} (first: {first:?})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// The `AgentApi` of every replica, tried in turn: followers forward registrations, heartbeats
@@ -454,8 +480,9 @@ async fn finish(
         };
         match (answer, event) {
             // Refused for good (not retryable): nothing to send again.
-            (Err(_), _) => {
+            (Err(s), _) => {
                 counters.report_errors.fetch_add(1, Ordering::Relaxed);
+                counters.refused(&s);
                 return;
             }
             (Ok(_), Event::Started) => counters.started.fetch_add(1, Ordering::Relaxed),

@@ -160,12 +160,14 @@ pub async fn run(
     if let Err(e) = outcome {
         return Err(e.context(format!(
             "placements stalled: {} of {} jobs placed, {} finished, as seen on {}; the \
-             simulated hosts saw {} failed reports and {} failed heartbeats; replicas: {}",
+             simulated hosts saw {} failed reports (refused for good: {}) and {} failed \
+             heartbeats; replicas: {}",
             after.placed,
             args.jobs,
             after.finished,
             endpoints[0],
             load(&fleet.counters.report_errors),
+            fleet.counters.refusals_summary(),
             load(&fleet.counters.heartbeat_errors),
             replica_states(&endpoints).await,
         )));

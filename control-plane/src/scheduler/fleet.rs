@@ -338,6 +338,16 @@ impl<'a> Fleet<'a> {
     /// The group of `key`, created (and announced as filled) if there is none: for
     /// [`Fleet::build`], which adds the members itself.
     fn group_for(&mut self, key: GroupKey<'a>, idx: NodeIdx) -> GroupId {
+        let known = self.groups.len();
+        let g = self.group_of_key(key, idx);
+        if g as usize == known {
+            self.events.push(GroupEvent::Filled(g));
+        }
+        g
+    }
+
+    /// The group of `key`, created empty with `idx` as its sample if there is none.
+    fn group_of_key(&mut self, key: GroupKey<'a>, idx: NodeIdx) -> GroupId {
         if let Some(&g) = self.group_of.get(&key) {
             return g;
         }
@@ -348,24 +358,11 @@ impl<'a> Fleet<'a> {
             members: BTreeSet::new(),
             sample: idx,
         });
-        self.events.push(GroupEvent::Filled(g));
         g
     }
 
     fn join(&mut self, key: GroupKey<'a>, idx: NodeIdx) -> GroupId {
-        let gid = match self.group_of.get(&key) {
-            Some(g) => *g,
-            None => {
-                let g = self.groups.len() as GroupId;
-                self.group_of.insert(key.clone(), g);
-                self.groups.push(Group {
-                    key,
-                    members: BTreeSet::new(),
-                    sample: idx,
-                });
-                g
-            }
-        };
+        let gid = self.group_of_key(key, idx);
         let members = &mut self.groups[gid as usize].members;
         if members.is_empty() {
             self.events.push(GroupEvent::Filled(gid));

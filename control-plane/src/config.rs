@@ -43,7 +43,8 @@ impl Defaults {
     /// entries (a heartbeat still gets one heartbeat interval). openraft 0.9 used the heartbeat
     /// interval for both; a follower that needed longer than 40 ms to decode, store and sync a
     /// batch never acknowledged it, because each retry resent the same batch and timed out
-    /// again: `gpuctl bench placement --hosts 1000` resent one 32-entry batch 19 times, and
+    /// again: in one `gpuctl bench placement --hosts 1000` run, traced with replication logging
+    /// added for the purpose and since removed, the leader resent one 32-entry batch 19 times, and
     /// the leader's view of that follower stopped advancing (our openraft patch, PATCHED.md).
     /// A retry resends entries the follower already stored, which it accepts without writing
     /// them again, so a limit that covers decoding a batch breaks that loop. It must also stay

@@ -29,7 +29,7 @@ const HEARTBEAT_MS: u64 = 40;
 /// timeout; replica 2 has the entry and the longest.
 const ELECTION_MS: [(NodeId, u64); 3] = [(1, 120), (2, 140), (3, 90)];
 
-fn tuning() -> RaftTuning {
+pub(super) fn tuning() -> RaftTuning {
     RaftTuning {
         heartbeat_ms: HEARTBEAT_MS,
         election_min_ms: 90,
@@ -51,11 +51,16 @@ pub(super) fn simulated<F: std::future::Future>(f: F) -> F::Output {
 
 /// Three replicas; replica 1 leads and has committed one entry that every replica applied.
 pub(super) async fn started_cluster() -> (Arc<SimCluster>, SimNet) {
+    started_cluster_tuned(tuning()).await
+}
+
+/// `started_cluster` with other Raft settings (snapshots, say).
+pub(super) async fn started_cluster_tuned(tuning: RaftTuning) -> (Arc<SimCluster>, SimNet) {
     let net = SimNet::new(11, 0, 1);
     let replicas: Vec<(NodeId, u64, i64)> = ELECTION_MS.iter().map(|&(id, e)| (id, e, 0)).collect();
     let cluster = Arc::new(SimCluster::new(
         net.clone(),
-        tuning(),
+        tuning,
         Params::default().leader_config(),
         &replicas,
     ));

@@ -40,6 +40,8 @@ pub mod params;
 pub mod runner;
 #[cfg(test)]
 mod slow_follower;
+#[cfg(test)]
+mod stale_leader;
 pub mod store;
 pub mod workload;
 pub mod world;

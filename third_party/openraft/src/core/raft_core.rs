@@ -1667,6 +1667,29 @@ where
             }
             Command::PurgeLog { upto } => {
                 self.log_store.purge(upto.clone()).await?;
+
+                // PATCHED (5): a write this node proposed as leader, and still waits to answer,
+                // can no longer be answered once its entry is purged: the node installed a
+                // snapshot over it (after losing leadership), so the entry is never applied here
+                // and never truncated as a conflict. Unanswered, its client waits forever.
+                // Whether the entry was committed is unknown here, so no leader is named: the
+                // caller must not resend the write elsewhere as if it had certainly failed.
+                let kept = self.client_resp_channels.split_off(&(upto.index + 1));
+                let orphans = std::mem::replace(&mut self.client_resp_channels, kept);
+                if !orphans.is_empty() {
+                    tracing::info!(
+                        count = orphans.len(),
+                        upto = display(&upto),
+                        "answering client writes whose entries a snapshot replaced"
+                    );
+                    for (_, tx) in orphans {
+                        tx.send(Err(ClientWriteError::ForwardToLeader(ForwardToLeader {
+                            leader_id: None,
+                            leader_node: None,
+                        })));
+                    }
+                }
+
                 self.engine.state.io_state_mut().update_purged(Some(upto));
             }
             Command::DeleteConflictLog { since } => {

@@ -288,6 +288,17 @@ async fn schedule_once(
     })
 }
 
+/// How long a node has been silent: since its last heartbeat (`heard`, as long ago as this
+/// leader can tell) or since it registered (at `registered_at`, stamped by a leader's clock),
+/// whichever is later. A registration is word from the node too, and the API records the
+/// heartbeat it counts as only once the registration is applied: in between, a node read as
+/// silent since before it registered, was declared lost with its new `registered_at` (which
+/// the state machine accepts), and its allocations were placed elsewhere while its agent
+/// started them (`gpuctl simulate cluster --seed 8306` found it).
+fn node_silence(heard: Duration, now_ms: u64, registered_at: u64) -> Duration {
+    heard.min(Duration::from_millis(now_ms.saturating_sub(registered_at)))
+}
+
 /// Declares lost every node whose agent has been silent for lease + grace.
 async fn check_liveness(
     replica: &Replica,
@@ -295,6 +306,7 @@ async fn check_liveness(
     config: &LeaderConfig,
 ) -> Result<(), ApiError> {
     let limit = config.node_lease + config.node_grace;
+    let now_ms = replica.now_ms();
     let expired: Vec<(String, Duration, u64)> = {
         let data = replica.sm.read();
         data.cluster
@@ -302,7 +314,8 @@ async fn check_liveness(
             .values()
             .filter(|n| n.status != NodeStatus::Down)
             .filter_map(|n| {
-                let silent = liveness.silent_for(&n.spec.name);
+                let heard = liveness.silent_for(&n.spec.name);
+                let silent = node_silence(heard, now_ms, n.registered_at);
                 (silent > limit).then(|| (n.spec.name.clone(), silent, n.registered_at))
             })
             .collect()
@@ -328,4 +341,29 @@ async fn check_liveness(
             .await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_is_silent_since_its_last_heartbeat_or_its_registration_whichever_is_later() {
+        let now = 1_767_225_600_000;
+        // Heard from 5 s ago, registered an hour ago: silent 5 s.
+        assert_eq!(
+            node_silence(Duration::from_secs(5), now, now - 3_600_000),
+            Duration::from_secs(5)
+        );
+        // Registered 20 ms ago, its heartbeat not yet recorded (last heard 9 s ago): 20 ms.
+        assert_eq!(
+            node_silence(Duration::from_secs(9), now, now - 20),
+            Duration::from_millis(20)
+        );
+        // A registration stamped by a clock ahead of this one counts as just now.
+        assert_eq!(
+            node_silence(Duration::from_secs(9), now, now + 500),
+            Duration::ZERO
+        );
+    }
 }

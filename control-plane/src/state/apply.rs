@@ -50,7 +50,7 @@ impl ClusterState {
                 self.submit(spec, key, at, index, changed)
             }
             Command::CancelJob { job, reason } => self.cancel(*job, reason, at, index, changed),
-            Command::RegisterNode { spec } => self.register_node(spec, at),
+            Command::RegisterNode { spec } => self.register_node(spec, at, index, changed),
             Command::Place { term, placements } => {
                 self.place(*term, placements, at, index, changed)
             }
@@ -345,10 +345,26 @@ impl ClusterState {
         Outcome::JobCancelled { id }
     }
 
-    fn register_node(&mut self, spec: &NodeSpec, at: Timestamp) -> Outcome {
+    fn register_node(
+        &mut self,
+        spec: &NodeSpec,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) -> Outcome {
         if let Err(r) = validate::validate_node_spec(spec) {
             return Outcome::Rejected(r);
         }
+        // Another incarnation is another agent, with another state directory: it cannot find
+        // the processes of the allocations placed on the node before, so it must not be handed
+        // them (it would start each one again while the scheduler may already have placed it
+        // elsewhere). The API accepts such a registration only once the previous agent has been
+        // silent past lease and grace, so its processes have fenced themselves: the node's
+        // allocations end as lost, as if the node had been declared lost first.
+        let previous_agent_gone = self
+            .nodes
+            .get(&spec.name)
+            .is_some_and(|old| old.spec.incarnation != spec.incarnation);
         for gpu in &spec.gpus {
             if let Some(owner) = self.gpu_node.get(&gpu.uuid)
                 && owner != &spec.name
@@ -364,7 +380,9 @@ impl ClusterState {
         if let Some(old) = self.nodes.get(&spec.name) {
             let reported: BTreeSet<&str> = spec.gpus.iter().map(|g| g.uuid.as_str()).collect();
             for gpu in &old.spec.gpus {
-                if !reported.contains(gpu.uuid.as_str()) && self.gpu_holder.contains_key(&gpu.uuid)
+                if !previous_agent_gone
+                    && !reported.contains(gpu.uuid.as_str())
+                    && self.gpu_holder.contains_key(&gpu.uuid)
                 {
                     return Outcome::Rejected(Rejection::precondition(format!(
                         "node {} no longer reports GPU {}, which allocation {} holds",
@@ -376,6 +394,21 @@ impl ClusterState {
                 if !reported.contains(gpu.uuid.as_str()) {
                     self.gpu_node.remove(&gpu.uuid);
                 }
+            }
+        }
+        if previous_agent_gone {
+            let on_node: Vec<AllocationId> = self
+                .allocations_on(&spec.name)
+                .map(|r| r.allocation.id)
+                .collect();
+            let outcome = TaskOutcome::Lost {
+                reason: format!(
+                    "node {}: registered again by another agent (incarnation {:?}); the previous agent's processes were fenced when its lease ran out",
+                    spec.name, spec.incarnation
+                ),
+            };
+            for id in on_node {
+                self.allocation_exited(id, &outcome, at, index, changed);
             }
         }
         for gpu in &spec.gpus {

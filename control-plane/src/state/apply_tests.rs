@@ -1425,6 +1425,55 @@ fn node_lost_is_refused_for_a_node_that_registered_again_since() {
 }
 
 #[test]
+fn another_agent_registering_a_node_ends_the_allocations_of_the_one_before() {
+    let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
+    let mut first = node("n1", 4, "H100").spec();
+    first.incarnation = "agent-a".into();
+    h.register(first.clone());
+    let (id, allocs) = h.running(job(1).spec(), vec![task("n1", &[0])]);
+
+    // The same agent again (a restart that kept its state directory) adopts its processes.
+    h.register(first);
+    assert_eq!(h.job(id).state, JobState::Running);
+    assert_eq!(h.holder("n1", 0), Some(allocs[0]));
+
+    // Another agent (another state directory) cannot: the job is requeued, the GPU freed.
+    let mut second = node("n1", 4, "H100").spec();
+    second.incarnation = "agent-b".into();
+    let applied = h.apply(Command::RegisterNode { spec: second });
+    assert_eq!(applied.outcome, Outcome::NodeRegistered);
+    assert_eq!(applied.changed_jobs, vec![id]);
+    let j = h.job(id);
+    assert_eq!(j.state, JobState::Pending);
+    assert!(
+        last_reason(j).contains("registered again by another agent"),
+        "{}",
+        last_reason(j)
+    );
+    assert_eq!(h.holder("n1", 0), None);
+    assert!(!h.state.allocations.contains_key(&allocs[0]));
+    assert_eq!(h.state.nodes["n1"].status, NodeStatus::Ready);
+}
+
+#[test]
+fn another_agent_may_register_a_node_without_a_gpu_the_old_one_held() {
+    let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
+    let (id, _) = h.running(job(1).spec(), vec![task("n1", &[3])]);
+    // The same agent may not drop a GPU its allocation holds...
+    let r = h.reject(Command::RegisterNode {
+        spec: node("n1", 3, "H100").spec(),
+    });
+    assert_eq!(r.kind, RejectKind::FailedPrecondition);
+    assert_eq!(h.job(id).state, JobState::Running);
+    // ...but another agent's registration ends that allocation first.
+    let mut other = node("n1", 3, "H100").spec();
+    other.incarnation = "agent-b".into();
+    h.register(other);
+    assert_eq!(h.job(id).state, JobState::Pending);
+    assert_eq!(h.state.total_gpus(), 3);
+}
+
+#[test]
 fn undrain_does_not_revive_a_node_that_is_down() {
     let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
     let registered_at = h.state.nodes["n1"].registered_at;

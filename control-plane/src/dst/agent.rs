@@ -455,6 +455,7 @@ impl Agent {
             if !self.registered {
                 return;
             }
+            let what = (report.allocation_id, report.event);
             let timeout = self.call_timeout();
             let result = self
                 .world
@@ -463,6 +464,16 @@ impl Agent {
                     r.agent_api.report_allocation(sim_request(report)).await
                 })
                 .await;
+            if self.world.observer().trace.is_some() {
+                let at = self.now_ms();
+                let answer = match &result {
+                    Ok(_) => "ok".to_owned(),
+                    Err(s) => format!("{:?} {}", s.code(), s.message()),
+                };
+                self.world
+                    .observer()
+                    .record(at, ("report", self.index, self.target, what, answer));
+            }
             match result {
                 Ok(_) => {
                     self.reports.pop_front();

@@ -191,8 +191,9 @@ async fn simulate(seed: u64, params: Params) -> SeedReport {
                 "progress after faults stop",
                 now,
                 format!(
-                    "{} ms after the last fault ended the cluster has not settled: {why}",
-                    now - faults_end
+                    "{} ms after the last fault ended the cluster has not settled: {why}; raft: {}",
+                    now - faults_end,
+                    raft_summary(&world)
                 ),
             );
             break;
@@ -291,6 +292,33 @@ fn check_replicas(world: &World) {
     for (invariant, evidence) in found {
         obs.violation(invariant, now, evidence);
     }
+}
+
+/// Each running replica's view of Raft, for a liveness failure's evidence: a cluster that
+/// has not settled is either without a leader, or has one whose log does not advance.
+fn raft_summary(world: &World) -> String {
+    world
+        .cluster
+        .all_running()
+        .iter()
+        .map(|r| {
+            let m = r.replica.raft.metrics().borrow().clone();
+            format!(
+                "replica {} {:?} term {} leader {:?} last log {} applied {} quorum ack {:?} ms ago, matched {:?}",
+                r.replica.id,
+                m.state,
+                m.current_term,
+                m.current_leader,
+                m.last_log_index.unwrap_or(0),
+                m.last_applied.map_or(0, |l| l.index),
+                m.millis_since_quorum_ack,
+                m.replication
+                    .as_ref()
+                    .map(|p| p.iter().map(|(id, l)| (*id, l.map_or(0, |l| l.index))).collect::<Vec<_>>()),
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Whether the cluster has settled: every replica up at one applied index and every job in

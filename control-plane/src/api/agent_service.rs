@@ -215,19 +215,32 @@ impl AgentApi for AgentService {
             request,
             |req| async move {
                 require_live_leader(r, config)?;
-                {
+                let registered_at = {
                     let data = r.sm.read_async().await;
                     check_node_exists(&data.cluster, &req.node)?;
-                    let registered = &data.cluster.nodes[&req.node].spec.incarnation;
-                    if *registered != req.incarnation {
+                    let node = &data.cluster.nodes[&req.node];
+                    if node.spec.incarnation != req.incarnation {
                         return Err(Rejection::precondition(format!(
                             "node {} is registered by another agent; re-register",
                             req.node
                         ))
                         .into());
                     }
+                    node.registered_at
+                };
+                let since_registered =
+                    Duration::from_millis(r.now_ms().saturating_sub(registered_at));
+                let limit = config.node_lease + config.node_grace;
+                if let Err(silent) = liveness.renew(&req.node, limit, since_registered) {
+                    // Its lease ran out a grace ago, so it has fenced its jobs; re-registering
+                    // lets it take new ones (and makes a pending loss declaration stale).
+                    return Err(Rejection::precondition(format!(
+                        "node {} was silent for {:.1} s, past its lease and grace, and may be declared lost at any moment; re-register",
+                        req.node,
+                        silent.as_secs_f64()
+                    ))
+                    .into());
                 }
-                liveness.heartbeat(&req.node);
                 Ok(pa::HeartbeatResponse {
                     term: r.raft.metrics().borrow().current_term,
                     lease_ms: config.node_lease.as_millis() as u64,

@@ -25,6 +25,7 @@ use crate::replica::{ApiError, Replica};
 use crate::scheduler;
 use crate::state::{Command, JobRetention, NodeStatus, Outcome};
 pub use liveness::Liveness;
+use liveness::node_silence;
 
 #[derive(Debug, Clone)]
 pub struct LeaderConfig {
@@ -288,17 +289,6 @@ async fn schedule_once(
     })
 }
 
-/// How long a node has been silent: since its last heartbeat (`heard`, as long ago as this
-/// leader can tell) or since it registered (at `registered_at`, stamped by a leader's clock),
-/// whichever is later. A registration is word from the node too, and the API records the
-/// heartbeat it counts as only once the registration is applied: in between, a node read as
-/// silent since before it registered, was declared lost with its new `registered_at` (which
-/// the state machine accepts), and its allocations were placed elsewhere while its agent
-/// started them (`gpuctl simulate cluster --seed 8306` found it).
-fn node_silence(heard: Duration, now_ms: u64, registered_at: u64) -> Duration {
-    heard.min(Duration::from_millis(now_ms.saturating_sub(registered_at)))
-}
-
 /// Declares lost every node whose agent has been silent for lease + grace.
 async fn check_liveness(
     replica: &Replica,
@@ -341,29 +331,4 @@ async fn check_liveness(
             .await?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_node_is_silent_since_its_last_heartbeat_or_its_registration_whichever_is_later() {
-        let now = 1_767_225_600_000;
-        // Heard from 5 s ago, registered an hour ago: silent 5 s.
-        assert_eq!(
-            node_silence(Duration::from_secs(5), now, now - 3_600_000),
-            Duration::from_secs(5)
-        );
-        // Registered 20 ms ago, its heartbeat not yet recorded (last heard 9 s ago): 20 ms.
-        assert_eq!(
-            node_silence(Duration::from_secs(9), now, now - 20),
-            Duration::from_millis(20)
-        );
-        // A registration stamped by a clock ahead of this one counts as just now.
-        assert_eq!(
-            node_silence(Duration::from_secs(9), now, now + 500),
-            Duration::ZERO
-        );
-    }
 }

@@ -228,10 +228,8 @@ impl AgentApi for AgentService {
                     }
                     node.registered_at
                 };
-                let since_registered =
-                    Duration::from_millis(r.now_ms().saturating_sub(registered_at));
                 let limit = config.node_lease + config.node_grace;
-                if let Err(silent) = liveness.renew(&req.node, limit, since_registered) {
+                if let Err(silent) = liveness.renew(&req.node, limit, r.now_ms(), registered_at) {
                     // Its lease ran out a grace ago, so it has fenced its jobs; re-registering
                     // lets it take new ones (and makes a pending loss declaration stale).
                     return Err(Rejection::precondition(format!(

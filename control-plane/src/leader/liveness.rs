@@ -43,7 +43,7 @@ impl Liveness {
     }
 
     /// Records a heartbeat that renews the node's lease, unless the node has been silent
-    /// longer than `limit` (lease + grace; `since_registered` ago it registered): from then on
+    /// ([`node_silence`]) longer than `limit` (lease + grace): from then on
     /// the leader may declare it lost at any moment, and a lease granted now could outlive
     /// that decision, leaving its jobs running on it while they are placed elsewhere (`gpuctl
     /// simulate cluster --seed 44473`). Checked and recorded under one lock, so the liveness
@@ -53,10 +53,11 @@ impl Liveness {
         &self,
         node: &str,
         limit: Duration,
-        since_registered: Duration,
+        now_ms: u64,
+        registered_at: u64,
     ) -> Result<(), Duration> {
         let mut inner = self.inner.lock().expect("liveness lock poisoned");
-        let silent = inner.silent_for(node).min(since_registered);
+        let silent = node_silence(inner.silent_for(node), now_ms, registered_at);
         if silent > limit {
             return Err(silent);
         }
@@ -132,17 +133,18 @@ mod tests {
         l.start_term(1);
         l.heartbeat("n1");
         let limit = Duration::from_millis(30);
-        let long_ago = Duration::from_secs(3600);
-        assert_eq!(l.renew("n1", limit, long_ago), Ok(()));
+        let now = 1_767_225_600_000;
+        let an_hour_ago = now - 3_600_000;
+        assert_eq!(l.renew("n1", limit, now, an_hour_ago), Ok(()));
         std::thread::sleep(Duration::from_millis(40));
         let refused = l
-            .renew("n1", limit, long_ago)
+            .renew("n1", limit, now, an_hour_ago)
             .expect_err("silent past the limit");
         assert!(refused >= Duration::from_millis(40), "{refused:?}");
         // Refusing records nothing: still silent.
         assert!(l.silent_for("n1") >= Duration::from_millis(40));
         // A registration just applied is word from the node.
-        assert_eq!(l.renew("n1", limit, Duration::from_millis(5)), Ok(()));
+        assert_eq!(l.renew("n1", limit, now, now - 5), Ok(()));
         assert!(l.silent_for("n1") < Duration::from_millis(30));
     }
 }

@@ -397,19 +397,11 @@ impl ClusterState {
             }
         }
         if previous_agent_gone {
-            let on_node: Vec<AllocationId> = self
-                .allocations_on(&spec.name)
-                .map(|r| r.allocation.id)
-                .collect();
-            let outcome = TaskOutcome::Lost {
-                reason: format!(
-                    "node {}: registered again by another agent (incarnation {:?}); the previous agent's processes were fenced when its lease ran out",
-                    spec.name, spec.incarnation
-                ),
-            };
-            for id in on_node {
-                self.allocation_exited(id, &outcome, at, index, changed);
-            }
+            let reason = format!(
+                "node {}: registered again by another agent (incarnation {:?}); the previous agent's processes were fenced when its lease ran out",
+                spec.name, spec.incarnation
+            );
+            self.lose_allocations_on(&spec.name, reason, at, index, changed);
         }
         for gpu in &spec.gpus {
             self.gpu_node.insert(gpu.uuid.clone(), spec.name.clone());
@@ -903,25 +895,31 @@ impl ClusterState {
             return Outcome::Rejected(Rejection::not_found(format!("node {name} does not exist")));
         };
         node.status = NodeStatus::Down;
-        let on_node: Vec<AllocationId> =
-            self.allocations_on(name).map(|r| r.allocation.id).collect();
         let reason = if reason.is_empty() {
             "node lost"
         } else {
             reason
         };
-        for id in on_node {
-            self.allocation_exited(
-                id,
-                &TaskOutcome::Lost {
-                    reason: format!("node {name}: {reason}"),
-                },
-                at,
-                index,
-                changed,
-            );
-        }
+        self.lose_allocations_on(name, format!("node {name}: {reason}"), at, index, changed);
         Outcome::Done
+    }
+
+    /// Ends every allocation on `node` as lost, for `reason`: its processes are gone (the
+    /// agent fenced them), so their jobs are requeued.
+    fn lose_allocations_on(
+        &mut self,
+        node: &str,
+        reason: String,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) {
+        let on_node: Vec<AllocationId> =
+            self.allocations_on(node).map(|r| r.allocation.id).collect();
+        let outcome = TaskOutcome::Lost { reason };
+        for id in on_node {
+            self.allocation_exited(id, &outcome, at, index, changed);
+        }
     }
 
     fn set_gpu_health(&mut self, node: &str, gpu: &str, health: &GpuHealth) -> Outcome {

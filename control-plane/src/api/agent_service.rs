@@ -173,7 +173,8 @@ impl AgentApi for AgentService {
                     if let Some(existing) = data.cluster.nodes.get(&req.name)
                         && existing.spec.incarnation != req.incarnation
                         && existing.status != NodeStatus::Down
-                        && liveness.silent_for(&req.name) < config.node_lease + config.node_grace
+                        && liveness.silence(&req.name, r.now_ms(), existing.registered_at)
+                            < config.node_lease + config.node_grace
                     {
                         return Err(Rejection::precondition(format!(
                             "node name {:?} is in use by another live agent (at {}); give this agent another --name, or stop the other one",

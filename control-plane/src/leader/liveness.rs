@@ -42,6 +42,12 @@ impl Liveness {
             .silent_for(node)
     }
 
+    /// How long the node has been silent ([`node_silence`]): the measure every decision about
+    /// its lease uses, so that none of them reads a node as silent that has just registered.
+    pub fn silence(&self, node: &str, now_ms: u64, registered_at: u64) -> Duration {
+        node_silence(self.silent_for(node), now_ms, registered_at)
+    }
+
     /// Records a heartbeat that renews the node's lease, unless the node has been silent
     /// ([`node_silence`]) longer than `limit` (lease + grace): from then on
     /// the leader may declare it lost at any moment, and a lease granted now could outlive

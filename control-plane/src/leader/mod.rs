@@ -25,7 +25,6 @@ use crate::replica::{ApiError, Replica};
 use crate::scheduler;
 use crate::state::{Command, JobRetention, NodeStatus, Outcome};
 pub use liveness::Liveness;
-use liveness::node_silence;
 
 #[derive(Debug, Clone)]
 pub struct LeaderConfig {
@@ -304,8 +303,7 @@ async fn check_liveness(
             .values()
             .filter(|n| n.status != NodeStatus::Down)
             .filter_map(|n| {
-                let heard = liveness.silent_for(&n.spec.name);
-                let silent = node_silence(heard, now_ms, n.registered_at);
+                let silent = liveness.silence(&n.spec.name, now_ms, n.registered_at);
                 (silent > limit).then(|| (n.spec.name.clone(), silent, n.registered_at))
             })
             .collect()

@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use control_plane::client::{Client, with_timeout};
+use control_plane::client::{Client, Credentials, with_timeout};
 use control_plane::local_cluster::{LocalCluster, StartMode};
 use proto::v1 as pb;
 
@@ -142,7 +142,12 @@ impl Injector<'_> {
             }
             _ => bail!("{kind:?} is not a leader fault"),
         }
-        let probe = probe_commit(&survivors, self.timings.recover).await;
+        let probe = probe_commit(
+            &survivors,
+            &self.cluster.credentials()?,
+            self.timings.recover,
+        )
+        .await;
         let elapsed = t0.elapsed();
         // Undo the fault before looking at the result, so an error leaves no fault behind.
         let hold = match kind {
@@ -220,7 +225,7 @@ impl Injector<'_> {
             .filter(|r| r.id != victim)
             .map(|r| r.addr.clone())
             .collect();
-        let mut client = Client::new(&survivors)?;
+        let mut client = Client::new(&survivors, &self.cluster.credentials()?)?;
         client.deadline = self.timings.recover;
         client
             .call(|mut c, t| async move {
@@ -309,7 +314,7 @@ impl Injector<'_> {
 
     /// The leader as the given replicas see it (while another replica is down).
     async fn leader_among(&self, addrs: &[String]) -> anyhow::Result<u64> {
-        let mut client = Client::new(addrs)?;
+        let mut client = Client::new(addrs, &self.cluster.credentials()?)?;
         client.deadline = self.timings.recover;
         let deadline = Instant::now() + self.timings.recover;
         loop {
@@ -409,9 +414,10 @@ impl Injector<'_> {
 /// job to the workload the checker looks at.
 pub async fn probe_commit(
     survivors: &[String],
+    credentials: &Credentials,
     timeout: Duration,
 ) -> anyhow::Result<(u64, u64, u64)> {
-    let mut client = Client::new(survivors)?;
+    let mut client = Client::new(survivors, credentials)?;
     client.attempt_timeout = Duration::from_millis(300);
     client.deadline = timeout;
     let tenant = pb::Tenant {

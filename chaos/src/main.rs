@@ -105,6 +105,15 @@ struct RunArgs {
     /// Set every fault count to 0 (the workload and the checks only).
     #[arg(long)]
     no_faults: bool,
+    /// With --endpoints: the TLS identity to use (ca.pem, cert.pem, key.pem), as gpuctl's.
+    #[arg(long, env = "GPUCTL_TLS_DIR", value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
+    /// With --endpoints: an admin API token.
+    #[arg(long, env = "GPUCTL_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// With --endpoints: the cluster runs with --insecure.
+    #[arg(long)]
+    insecure: bool,
     /// text: a readable report; json: progress on stderr, and the last line of stdout a JSON
     /// summary with "violations".
     #[arg(long, value_enum, default_value = "text")]
@@ -196,8 +205,13 @@ fn run_command(a: RunArgs) -> anyhow::Result<ExitCode> {
     }
     let stop = Arc::new(AtomicBool::new(false));
     install_interrupt_handler(stop.clone());
+    let credentials = match &a.endpoints {
+        Some(_) => control_plane::client::Credentials::resolve(a.insecure, a.tls_dir, a.token)?,
+        None => control_plane::client::Credentials::insecure(),
+    };
     let opts = RunOptions {
         program: std::env::current_exe().context("finding the chaos binary's own path")?,
+        credentials,
         duration: a.duration,
         jobs: a
             .jobs

@@ -46,6 +46,9 @@ const AGENT_ARGS: [&str; 4] = ["--stop-grace-secs", "1", "--fence-grace-ms", "50
 pub struct RunOptions {
     /// The program that runs `replica`, `agent` and `shim` (the chaos binary itself).
     pub program: PathBuf,
+    /// How to reach an attached cluster (`endpoints`); a cluster the run starts itself has
+    /// TLS on and its own admin certificate.
+    pub credentials: control_plane::client::Credentials,
     pub duration: Duration,
     pub jobs: usize,
     pub clients: usize,
@@ -221,7 +224,8 @@ async fn drive(
         .await
         .context("the replicas did not elect a leader")?;
     let endpoints = cluster.endpoints();
-    let mut client = Client::new(&endpoints)?;
+    let credentials = cluster.credentials()?;
+    let mut client = Client::new(&endpoints, &credentials)?;
     put_tenants(&mut client)
         .await
         .context("creating the workload's tenants")?;
@@ -254,6 +258,7 @@ async fn drive(
     let next_op = Arc::new(AtomicU64::new(1));
     let workload = Workload {
         endpoints: endpoints.clone(),
+        credentials: credentials.clone(),
         recorder: recorder.clone(),
         next_op,
         stop: stop.clone(),
@@ -277,6 +282,7 @@ async fn drive(
     let observing = Arc::new(AtomicBool::new(true));
     let observer = tokio::spawn(observe(
         endpoints.clone(),
+        credentials.clone(),
         recorder.clone(),
         observing.clone(),
     ));
@@ -486,7 +492,8 @@ async fn drive_attached(
     recorder: Recorder,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
-    let mut client = Client::new(&endpoints)?;
+    let credentials = opts.credentials.clone();
+    let mut client = Client::new(&endpoints, &credentials)?;
     put_tenants(&mut client)
         .await
         .with_context(|| format!("creating the workload's tenants through {endpoints:?}"))?;
@@ -505,6 +512,7 @@ async fn drive_attached(
     });
     let workload = Workload {
         endpoints: endpoints.clone(),
+        credentials: credentials.clone(),
         recorder: recorder.clone(),
         next_op: Arc::new(AtomicU64::new(1)),
         stop,
@@ -512,6 +520,7 @@ async fn drive_attached(
     let observing = Arc::new(AtomicBool::new(true));
     let observer = tokio::spawn(observe(
         endpoints.clone(),
+        credentials.clone(),
         recorder.clone(),
         observing.clone(),
     ));
@@ -590,8 +599,13 @@ async fn list_jobs(
 
 /// Records the live jobs every 250 ms, from whichever replica answers (any replica's applied
 /// state is a prefix of the log, so every view must satisfy the invariants).
-async fn observe(endpoints: Vec<String>, recorder: Recorder, running: Arc<AtomicBool>) {
-    let Ok(mut client) = Client::new(&endpoints) else {
+async fn observe(
+    endpoints: Vec<String>,
+    credentials: control_plane::client::Credentials,
+    recorder: Recorder,
+    running: Arc<AtomicBool>,
+) {
+    let Ok(mut client) = Client::new(&endpoints, &credentials) else {
         return;
     };
     client.attempt_timeout = Duration::from_millis(500);

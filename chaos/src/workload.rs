@@ -125,6 +125,9 @@ pub fn job_spec(i: u64, rng: &mut Rng) -> pb::JobSpec {
 
 pub struct Workload {
     pub endpoints: Vec<String>,
+    /// How the workload's clients authenticate (the cluster's admin, or an attached
+    /// cluster's credentials).
+    pub credentials: control_plane::client::Credentials,
     pub recorder: Recorder,
     pub next_op: Arc<AtomicU64>,
     /// Set to stop early (Ctrl-C).
@@ -138,7 +141,7 @@ impl Workload {
         let interval = cfg.duration / cfg.jobs.max(1) as u32;
         let mut tasks = Vec::new();
         for c in 0..clients {
-            let mut client = Client::new(&self.endpoints)?;
+            let mut client = Client::new(&self.endpoints, &self.credentials)?;
             // Short attempts, so a client stuck on a dead or isolated replica moves on quickly;
             // the deadline is long enough to ride out any failover.
             client.attempt_timeout = Duration::from_millis(800);

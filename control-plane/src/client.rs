@@ -3,23 +3,166 @@
 //! leader), so failing over is only a matter of trying the next endpoint.
 
 use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use anyhow::Context;
+use proto::tls::{ClientAuth, ExpectedPeer, TlsContext, TlsFiles};
+use proto::transport::Transport;
 use proto::v1::control_plane_client::ControlPlaneClient;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Response, Status};
-
-use crate::raft::network::lazy_channel;
 
 /// Replicas `gpuctl dev` starts, and where `gpuctl` looks when nothing else is configured.
 pub const DEV_ENDPOINTS: &str = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003";
 /// Environment variable listing the endpoints, comma-separated.
 pub const ENDPOINTS_ENV: &str = "GPUCTL_ENDPOINTS";
+/// Environment variable naming the directory with `ca.pem`, `cert.pem`, `key.pem`.
+pub const TLS_DIR_ENV: &str = "GPUCTL_TLS_DIR";
+/// Environment variable holding an API token (`gpucp.<id>.<secret>`).
+pub const TOKEN_ENV: &str = "GPUCTL_TOKEN";
+/// Environment variable for `--insecure` (plaintext, to a cluster run without TLS).
+pub const INSECURE_ENV: &str = "GPUCTL_INSECURE";
+/// Where `gpuctl dev` writes the admin identity, relative to its data directory.
+pub const DEV_ADMIN_TLS_DIR: &str = "tls/admin";
+
+/// Adds the caller's bearer token to every request.
+#[derive(Clone, Default)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl Credentials {
+    /// The same transport, acting with `token` instead.
+    pub fn with_token(&self, token: impl Into<String>) -> Credentials {
+        Credentials {
+            transport: self.transport.clone(),
+            token: Some(Secret(token.into())),
+        }
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            request
+                .metadata_mut()
+                .insert(crate::api::auth::AUTHORIZATION, v.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A client of one replica, with the caller's token on every call.
+pub type ApiClient = ControlPlaneClient<InterceptedService<Channel, Bearer>>;
+
+/// How a client proves who it is: TLS (with or without a client certificate) and an
+/// optional token.
+#[derive(Clone, Debug)]
+pub struct Credentials {
+    pub transport: Transport,
+    /// Never printed (see the `Debug` of `Transport`; the token is shown as present or not).
+    pub token: Option<Secret>,
+}
+
+/// A token, kept out of `Debug` output and logs.
+#[derive(Clone)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<token>")
+    }
+}
+
+impl Credentials {
+    /// Plaintext, no token: for clusters run with `--insecure`.
+    pub fn insecure() -> Credentials {
+        Credentials {
+            transport: Transport::Plain,
+            token: None,
+        }
+    }
+
+    /// TLS with the identity in `dir` (`ca.pem`, and `cert.pem` + `key.pem` when present:
+    /// a directory with only the CA makes a token-only client).
+    pub fn from_dir(dir: &Path, token: Option<Secret>) -> anyhow::Result<Credentials> {
+        let mut files = TlsFiles::in_dir(dir);
+        if !files.cert.as_ref().is_some_and(|c| c.exists()) {
+            files.cert = None;
+            files.key = None;
+        }
+        let ctx = TlsContext::load(files, ClientAuth::Required)
+            .with_context(|| format!("loading the TLS identity in {}", dir.display()))?;
+        Ok(Credentials {
+            transport: Transport::Tls(ctx),
+            token,
+        })
+    }
+
+    /// What `gpuctl` uses: `--insecure`; or the TLS directory given (flag or `GPUCTL_TLS_DIR`);
+    /// or the admin identity `gpuctl dev` wrote under `./dev-data`; with the token given
+    /// (flag or `GPUCTL_TOKEN`).
+    pub fn resolve(
+        insecure: bool,
+        tls_dir: Option<PathBuf>,
+        token: Option<String>,
+    ) -> anyhow::Result<Credentials> {
+        let token = token
+            .filter(|t| !t.trim().is_empty())
+            .map(|t| Secret(t.trim().to_owned()));
+        if insecure {
+            return Ok(Credentials {
+                token,
+                ..Credentials::insecure()
+            });
+        }
+        let dir = match tls_dir {
+            Some(d) => d,
+            None => {
+                let dev = Path::new(crate::cli::DEV_DATA_DIR).join(DEV_ADMIN_TLS_DIR);
+                if !dev.join(proto::tls::pki::CA_CERT_FILE).exists() {
+                    anyhow::bail!(
+                        "no TLS identity to talk to the control plane with: give --tls-dir DIR (or {TLS_DIR_ENV}) holding ca.pem, cert.pem and key.pem, add --token (or {TOKEN_ENV}) if the certificate grants no role, or --insecure for a cluster run without TLS; `gpuctl dev` writes one to {}",
+                        dev.display()
+                    );
+                }
+                dev
+            }
+        };
+        Credentials::from_dir(&dir, token)
+    }
+
+    fn bearer(&self) -> anyhow::Result<Bearer> {
+        match &self.token {
+            None => Ok(Bearer(None)),
+            Some(Secret(t)) => {
+                Ok(Bearer(Some(format!("Bearer {t}").parse().context(
+                    "the token holds characters that cannot be sent",
+                )?)))
+            }
+        }
+    }
+
+    /// A client of the replica at `addr`.
+    pub fn api_client(&self, addr: &str) -> anyhow::Result<ApiClient> {
+        let channel = self
+            .transport
+            .channel(addr, ExpectedPeer::Replica)
+            .map_err(|err| anyhow::anyhow!("endpoint {addr:?} is not HOST:PORT: {err}"))?;
+        Ok(
+            ControlPlaneClient::with_interceptor(channel, self.bearer()?)
+                .max_decoding_message_size(256 * 1024 * 1024),
+        )
+    }
+}
 
 #[derive(Clone)]
 pub struct Client {
     endpoints: Vec<String>,
-    clients: Vec<ControlPlaneClient<Channel>>,
+    clients: Vec<ApiClient>,
+    pub credentials: Credentials,
     /// The endpoint that answered last; tried first next time.
     preferred: usize,
     /// How long a call keeps retrying across endpoints before giving up.
@@ -29,21 +172,18 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(endpoints: &[String]) -> anyhow::Result<Client> {
+    pub fn new(endpoints: &[String], credentials: &Credentials) -> anyhow::Result<Client> {
         if endpoints.is_empty() {
             anyhow::bail!("no control-plane endpoints given");
         }
-        let mut clients = Vec::new();
-        for e in endpoints {
-            let channel = lazy_channel(e)
-                .map_err(|err| anyhow::anyhow!("endpoint {e:?} is not HOST:PORT: {err}"))?;
-            clients.push(
-                ControlPlaneClient::new(channel).max_decoding_message_size(256 * 1024 * 1024),
-            );
-        }
+        let clients = endpoints
+            .iter()
+            .map(|e| credentials.api_client(e))
+            .collect::<anyhow::Result<_>>()?;
         Ok(Client {
             endpoints: endpoints.to_vec(),
             clients,
+            credentials: credentials.clone(),
             preferred: 0,
             deadline: Duration::from_secs(15),
             attempt_timeout: Duration::from_secs(5),
@@ -63,7 +203,7 @@ impl Client {
     }
 
     /// A client for one endpoint only (no failover), e.g. to ask a specific replica.
-    pub fn endpoint_client(&self, i: usize) -> ControlPlaneClient<Channel> {
+    pub fn endpoint_client(&self, i: usize) -> ApiClient {
         self.clients[i].clone()
     }
 
@@ -71,7 +211,7 @@ impl Client {
     /// cannot fix. Calls must be safe to repeat (submissions carry an idempotency key).
     pub async fn call<T, F, Fut>(&mut self, mut call: F) -> Result<T, Status>
     where
-        F: FnMut(ControlPlaneClient<Channel>, Duration) -> Fut,
+        F: FnMut(ApiClient, Duration) -> Fut,
         Fut: Future<Output = Result<Response<T>, Status>>,
     {
         let start = tokio::time::Instant::now();

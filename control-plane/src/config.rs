@@ -88,6 +88,12 @@ impl Defaults {
     pub const ARCHIVE_RETENTION_SECS: u64 = 7 * 24 * 3600;
     /// ...for at most a million jobs (a few hundred bytes each; `gpuctl bench memory`).
     pub const MAX_ARCHIVED_JOBS: u64 = 1_000_000;
+    /// The audit trail keeps who-did-what for 30 days...
+    pub const AUDIT_RETENTION_SECS: u64 = 30 * 24 * 3600;
+    /// ...and at most this many records (a couple of hundred bytes each), the oldest dropped
+    /// first: every start and exit an agent reports is a record, so a busy cluster reaches the
+    /// count long before the age.
+    pub const MAX_AUDIT_RECORDS: u64 = 200_000;
     /// How often the leader checks whether finished jobs are due for compaction.
     pub const COMPACTION_INTERVAL_MS: u64 = 60_000;
     pub const LOG_FILTER: &'static str =
@@ -174,6 +180,46 @@ pub struct ReplicaArgs {
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://localhost:4317).
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+    /// Directory with this replica's TLS identity: ca.pem, cert.pem, key.pem (and crl.pem when
+    /// certificates were revoked), as `gpuctl certs issue replica` writes it.
+    #[arg(long, value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// CA bundle (overrides the one in --tls-dir).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Certificate (overrides the one in --tls-dir).
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (overrides the one in --tls-dir).
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Accept client-API calls from clients without a certificate (they must give a token).
+    /// Raft and agents always need certificates.
+    #[arg(long, value_name = "BOOL")]
+    pub client_cert_optional: Option<bool>,
+    /// Serve without TLS and without authentication: anyone who reaches the port is an
+    /// admin. For measuring the cost of TLS and for throwaway test networks only.
+    #[arg(long)]
+    #[serde(default)]
+    pub insecure: bool,
+    /// The audit trail keeps records this long...
+    #[arg(long, value_name = "SECS")]
+    pub audit_retention_secs: Option<u64>,
+    /// ...and at most this many (the oldest are dropped first).
+    #[arg(long, value_name = "RECORDS")]
+    pub max_audit_records: Option<u64>,
+}
+
+/// How a replica secures its port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransportSecurity {
+    /// Mutual TLS with these files; client certificates optional on the client API.
+    Tls {
+        files: proto::tls::TlsFiles,
+        client_cert_optional: bool,
+    },
+    /// `--insecure`.
+    Insecure,
 }
 
 /// A replica's settings, complete and checked.
@@ -189,6 +235,7 @@ pub struct ReplicaConfig {
     pub tuning: RaftTuning,
     pub leader: LeaderConfig,
     pub otlp_endpoint: Option<String>,
+    pub security: TransportSecurity,
 }
 
 pub fn parse_peers(s: &str) -> anyhow::Result<BTreeMap<NodeId, String>> {
@@ -293,6 +340,45 @@ impl ReplicaArgs {
             );
         }
         let election_max_ms = tuning.election_max_ms;
+        let tls = proto::tls::TlsPaths {
+            dir: self.tls_dir.or(file.tls_dir),
+            ca: self.tls_ca.or(file.tls_ca),
+            cert: self.tls_cert.or(file.tls_cert),
+            key: self.tls_key.or(file.tls_key),
+        };
+        let security = match (self.insecure || file.insecure, tls.files()?) {
+            (true, Some(_)) => bail!("give either --insecure or TLS files (--tls-dir), not both"),
+            (true, None) => TransportSecurity::Insecure,
+            (false, None) => bail!(
+                "no TLS identity: give --tls-dir DIR with ca.pem, cert.pem and key.pem (`gpuctl certs init` and `gpuctl certs issue replica --name replica-{id}` make them), or --insecure to serve without TLS or authentication"
+            ),
+            (false, Some(files)) => {
+                if files.cert.is_none() || files.key.is_none() {
+                    bail!(
+                        "a replica needs a certificate and key: give --tls-cert and --tls-key (or --tls-dir)"
+                    );
+                }
+                TransportSecurity::Tls {
+                    files,
+                    client_cert_optional: self
+                        .client_cert_optional
+                        .or(file.client_cert_optional)
+                        .unwrap_or(false),
+                }
+            }
+        };
+        let audit_retention = crate::state::AuditRetention {
+            max_age_ms: 1000
+                * self
+                    .audit_retention_secs
+                    .or(file.audit_retention_secs)
+                    .unwrap_or(Defaults::AUDIT_RETENTION_SECS),
+            max_records: self
+                .max_audit_records
+                .or(file.max_audit_records)
+                .unwrap_or(Defaults::MAX_AUDIT_RECORDS)
+                .max(1),
+        };
         Ok(ReplicaConfig {
             id,
             listen,
@@ -380,8 +466,10 @@ impl ReplicaArgs {
                         .unwrap_or(Defaults::MAX_ARCHIVED_JOBS),
                 },
                 compaction_interval: ms(Defaults::COMPACTION_INTERVAL_MS),
+                audit_retention,
             },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
+            security,
         })
     }
 }
@@ -426,6 +514,7 @@ mod tests {
         let args = ReplicaArgs {
             config: Some(file),
             listen: Some("127.0.0.1:9100".into()),
+            insecure: true,
             ..Default::default()
         };
         let c = args.resolve().unwrap();

@@ -10,9 +10,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use proto::tls::CertRole;
+use proto::tls::pki::{self, CaFiles, IssueRequest};
 use proto::v1 as pb;
 
-use crate::client::{Client, with_timeout};
+use crate::client::{Client, Credentials, with_timeout};
 
 /// How a replica process is started.
 #[derive(Debug, Clone)]
@@ -80,7 +82,17 @@ pub struct LocalCluster {
     /// (`GPUCP_SOURCE_ADDRESS`), so that traffic between two processes on distinct loopback
     /// addresses can be told apart (and cut) by address. Off by default.
     pub bind_source: bool,
+    /// Mutual TLS and authentication, as a real deployment runs (the default): a CA under
+    /// `root/tls/ca`, a certificate for each replica, agent and an admin client beside it,
+    /// made when first needed. Off (`set_insecure`), everything is plaintext and
+    /// unauthenticated: only for measuring what security costs.
+    secure: bool,
+    /// The admin credentials, loaded once (status polls make a client every few ms).
+    credentials: std::sync::OnceLock<Credentials>,
 }
+
+/// Where a local cluster keeps its certificates, under its root.
+pub const TLS_SUBDIR: &str = "tls";
 
 /// Free loopback ports, found by binding port 0. The ports are released before the replicas
 /// bind them; on a test machine nothing else races for them in that instant.
@@ -147,7 +159,103 @@ impl LocalCluster {
             agent_program: None,
             agents: BTreeMap::new(),
             bind_source: false,
+            secure: true,
+            credentials: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Plaintext and no authentication for every process started from now on.
+    pub fn set_insecure(&mut self) {
+        self.secure = false;
+        self.credentials = std::sync::OnceLock::new();
+    }
+
+    pub fn is_secure(&self) -> bool {
+        self.secure
+    }
+
+    fn tls_root(&self) -> PathBuf {
+        self.root.join(TLS_SUBDIR)
+    }
+
+    /// The cluster's CA, created on first use (and kept across runs, as `gpuctl dev` reuses
+    /// its directory).
+    pub fn ca(&self) -> anyhow::Result<CaFiles> {
+        let dir = self.tls_root().join("ca");
+        if let Ok(ca) = CaFiles::read(&dir) {
+            return Ok(ca);
+        }
+        let ca = pki::create_ca(&self.cluster, 3650)?;
+        ca.write(&dir)?;
+        Ok(ca)
+    }
+
+    /// An identity directory for `req` under the cluster's TLS root, issued when missing,
+    /// unreadable or within a month of expiring.
+    pub fn identity(&self, dir_name: &str, req: &IssueRequest) -> anyhow::Result<PathBuf> {
+        let dir = self.tls_root().join(dir_name);
+        let current = proto::tls::TlsContext::load(
+            proto::tls::TlsFiles::in_dir(&dir),
+            proto::tls::ClientAuth::Required,
+        )
+        .ok()
+        .and_then(|ctx| ctx.identity())
+        .filter(|id| {
+            id.role == req.role
+                && id.name == req.name
+                && id.client_role == req.client_role
+                && id.not_after_ms > crate::replica::now_ms() + 31 * 86_400_000
+        });
+        if current.is_none() {
+            pki::issue(&self.ca()?, req)?
+                .write(&dir)
+                .with_context(|| format!("writing certificates to {}", dir.display()))?;
+        }
+        Ok(dir)
+    }
+
+    /// The admin client identity (what `gpuctl` finds under a dev cluster's data directory).
+    pub fn admin_tls_dir(&self) -> anyhow::Result<PathBuf> {
+        self.identity("admin", &IssueRequest::client("admin", "admin", None))
+    }
+
+    /// How clients of this cluster authenticate: the admin certificate, or nothing.
+    pub fn credentials(&self) -> anyhow::Result<Credentials> {
+        if let Some(c) = self.credentials.get() {
+            return Ok(c.clone());
+        }
+        let c = if self.secure {
+            Credentials::from_dir(&self.admin_tls_dir()?, None)?
+        } else {
+            Credentials::insecure()
+        };
+        Ok(self.credentials.get_or_init(|| c).clone())
+    }
+
+    /// Environment for a `gpuctl` process talking to this cluster as its admin.
+    pub fn gpuctl_env(&self) -> anyhow::Result<Vec<(String, String)>> {
+        let mut env = vec![(
+            crate::client::ENDPOINTS_ENV.to_owned(),
+            self.endpoints().join(","),
+        )];
+        if self.secure {
+            env.push((
+                crate::client::TLS_DIR_ENV.to_owned(),
+                self.admin_tls_dir()?.display().to_string(),
+            ));
+        } else {
+            env.push((crate::client::INSECURE_ENV.to_owned(), "true".into()));
+        }
+        Ok(env)
+    }
+
+    /// `--tls-dir DIR` for a replica or agent, or `--insecure`.
+    fn security_args(&self, dir_name: &str, req: IssueRequest) -> anyhow::Result<Vec<String>> {
+        if !self.secure {
+            return Ok(vec!["--insecure".into()]);
+        }
+        let dir = self.identity(dir_name, &req)?;
+        Ok(vec!["--tls-dir".into(), dir.display().to_string()])
     }
 
     /// Describes a simulated GPU host (not started). `extra_args` go to every start.
@@ -177,6 +285,24 @@ impl LocalCluster {
             .clone()
             .context("no agent program configured for this cluster")?;
         let endpoints = self.endpoints().join(",");
+        // The node name is the agent's key unless its extra args name it otherwise; its
+        // certificate names the same node.
+        let node_name = {
+            let a = self
+                .agents
+                .get(name)
+                .with_context(|| format!("no agent {name}"))?;
+            a.extra_args
+                .iter()
+                .position(|x| x == "--name")
+                .and_then(|i| a.extra_args.get(i + 1))
+                .cloned()
+                .unwrap_or_else(|| name.to_owned())
+        };
+        let security = self.security_args(
+            &format!("node-{node_name}"),
+            IssueRequest::new(CertRole::Node, node_name.clone()),
+        )?;
         let a = self
             .agents
             .get_mut(name)
@@ -204,6 +330,7 @@ impl LocalCluster {
         ])
         .arg("--state-dir")
         .arg(&a.state_dir)
+        .args(&security)
         .args(&a.extra_args)
         .envs(self.env.iter().map(|(k, v)| (k, v)))
         .envs(source_env(self.bind_source, &a.addr))
@@ -272,6 +399,10 @@ impl LocalCluster {
 
     pub fn start(&mut self, id: u64, mode: StartMode) -> anyhow::Result<()> {
         std::fs::create_dir_all(&self.root)?;
+        let security = self.security_args(
+            &format!("replica-{id}"),
+            IssueRequest::new(CertRole::Replica, format!("replica-{id}")),
+        )?;
         let r = self
             .replicas
             .get_mut(&id)
@@ -296,6 +427,7 @@ impl LocalCluster {
             ])
             .arg("--data-dir")
             .arg(&r.data_dir)
+            .args(&security)
             .args(&self.extra_args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(source_env(self.bind_source, &r.addr))
@@ -419,14 +551,14 @@ impl LocalCluster {
         std::fs::read_to_string(&self.replicas[&id].log_path).unwrap_or_default()
     }
 
-    /// A client that talks to the given replica only.
+    /// A client that talks to the given replica only, as the cluster's admin.
     pub fn client_for(&self, id: u64) -> anyhow::Result<Client> {
-        Client::new(&[self.addr(id)])
+        Client::new(&[self.addr(id)], &self.credentials()?)
     }
 
-    /// A client over every replica.
+    /// A client over every replica, as the cluster's admin.
     pub fn client(&self) -> anyhow::Result<Client> {
-        Client::new(&self.endpoints())
+        Client::new(&self.endpoints(), &self.credentials()?)
     }
 
     pub async fn status(&self, id: u64) -> Option<pb::ClusterStatusResponse> {

@@ -8,10 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use openraft::error::{ClientWriteError, RaftError};
+use proto::tls::ExpectedPeer;
+use proto::transport::Transport;
 use tonic::transport::Channel;
 
+use crate::api::auth::Security;
 use crate::group_commit::GroupCommit;
-use crate::raft::network::lazy_channel;
 use crate::raft::state_machine::StateMachineStore;
 use crate::raft::{NodeId, Raft};
 use crate::state::{Command, Outcome, Rejection};
@@ -19,10 +21,16 @@ use crate::state::{Command, Outcome, Rejection};
 /// Why an API operation did not complete. `NotLeader` is routed to the leader by the API layer.
 #[derive(Debug, Clone)]
 pub enum ApiError {
-    NotLeader { leader: Option<(NodeId, String)> },
+    NotLeader {
+        leader: Option<(NodeId, String)>,
+    },
     Rejected(Rejection),
     Unavailable(String),
     Internal(String),
+    /// No credentials, or ones that are not (or no longer) valid.
+    Unauthenticated(String),
+    /// Valid credentials that do not allow the action.
+    PermissionDenied(String),
 }
 
 impl From<Rejection> for ApiError {
@@ -44,6 +52,10 @@ pub struct Replica {
     leader_channels: Mutex<HashMap<String, Channel>>,
     /// Where writes queue to share log entries.
     group_commit: GroupCommit,
+    /// How this replica reaches the leader and agents (TLS with its replica certificate).
+    pub transport: Transport,
+    /// Authentication settings and refusal counters.
+    pub security: Arc<Security>,
 }
 
 pub fn now_ms() -> u64 {
@@ -115,6 +127,7 @@ impl Clock {
 impl Replica {
     /// A replica over `raft` and `sm`, stamping with `clock`; starts the task that proposes
     /// queued writes (`group_commit`), so it must be called on a tokio runtime.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: NodeId,
         cluster: String,
@@ -123,6 +136,8 @@ impl Replica {
         sm: StateMachineStore,
         committed: Arc<AtomicU64>,
         clock: Clock,
+        transport: Transport,
+        security: Arc<Security>,
     ) -> Replica {
         let group_commit = GroupCommit::start(id, raft.clone(), clock);
         Replica {
@@ -135,6 +150,8 @@ impl Replica {
             clock,
             leader_channels: Mutex::new(HashMap::new()),
             group_commit,
+            transport,
+            security,
         }
     }
 
@@ -200,7 +217,9 @@ impl Replica {
         if let Some(c) = channels.get(addr) {
             return Ok(c.clone());
         }
-        let channel = lazy_channel(addr)
+        let channel = self
+            .transport
+            .channel(addr, ExpectedPeer::Replica)
             .map_err(|e| ApiError::Internal(format!("leader address {addr:?} is invalid: {e}")))?;
         channels.insert(addr.to_owned(), channel.clone());
         Ok(channel)

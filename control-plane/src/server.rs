@@ -14,25 +14,69 @@ use proto::v1::control_plane_client::ControlPlaneClient;
 use proto::v1::control_plane_server::ControlPlaneServer;
 use tokio::net::TcpListener;
 
+use crate::api::auth::Security;
 use crate::api::{AgentService, ControlPlaneService, MAX_REQUEST_BYTES};
-use crate::config::ReplicaConfig;
+use crate::config::{ReplicaConfig, TransportSecurity};
 use crate::datadir::DataDir;
 use crate::leader::Liveness;
 use crate::raft::Raft;
 use crate::raft::log_store::LogStore;
-use crate::raft::network::{PeerNetwork, lazy_channel};
+use crate::raft::network::PeerNetwork;
 use crate::raft::peer_service::PeerService;
 use crate::raft::state_machine::StateMachineStore;
 use crate::replica::{Clock, Replica};
 use proto::agent::agent_api_server::AgentApiServer;
+use proto::tls::{ClientAuth, ExpectedPeer, TlsContext};
+use proto::transport::Transport;
 
 /// Raft messages can carry snapshot chunks and batches of entries.
 const MAX_PEER_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
+/// How often a replica or agent looks at its TLS files for a change (SIGHUP rereads at once).
+pub const TLS_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Loads the replica's TLS identity and checks that it is this replica's certificate.
+fn load_transport(config: &ReplicaConfig) -> anyhow::Result<Transport> {
+    match &config.security {
+        TransportSecurity::Insecure => {
+            tracing::warn!(
+                "running with --insecure: no TLS, no authentication; anyone who reaches {} can act as an admin, register as a GPU node or join Raft",
+                config.listen
+            );
+            Ok(Transport::Plain)
+        }
+        TransportSecurity::Tls {
+            files,
+            client_cert_optional,
+        } => {
+            let auth = if *client_cert_optional {
+                ClientAuth::Optional
+            } else {
+                ClientAuth::Required
+            };
+            let ctx = TlsContext::load(files.clone(), auth).context("loading TLS files")?;
+            let id = ctx
+                .identity()
+                .context("a replica needs a certificate and key")?;
+            let expected = format!("replica-{}", config.id);
+            if id.role != proto::tls::CertRole::Replica || id.name != expected {
+                bail!(
+                    "the certificate in {} is the {id}, not replica {}'s; issue one with `gpuctl certs issue replica --name {expected}`",
+                    files.cert.as_deref().unwrap_or(&files.ca).display(),
+                    config.id
+                );
+            }
+            tracing::info!(identity = %id, "TLS on; client certificates {}", if *client_cert_optional { "optional (tokens suffice)" } else { "required" });
+            Ok(Transport::Tls(ctx))
+        }
+    }
+}
 
 pub async fn run(
     config: ReplicaConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let transport = load_transport(&config)?;
     let dir = DataDir::open(&config.data_dir, &config.cluster, config.id)?;
     let log = LogStore::open(&dir.db).map_err(|e| dir.corrupt(e.to_string()))?;
     log.verify().map_err(|e| dir.corrupt(e))?;
@@ -47,7 +91,9 @@ pub async fn run(
     let raft_config = Arc::new(config.tuning.openraft_config(&config.cluster)?);
     let network = PeerNetwork {
         cluster: config.cluster.clone(),
+        transport: transport.clone(),
     };
+    let security = Arc::new(Security::new(transport.tls().cloned()));
     let raft = Raft::new(config.id, raft_config, network, log, sm.clone())
         .await
         .context("starting Raft")?;
@@ -59,7 +105,12 @@ pub async fn run(
         sm,
         committed,
         Clock::System,
+        transport.clone(),
+        security.clone(),
     ));
+    let reloader = transport
+        .tls()
+        .map(|t| t.spawn_reloader(TLS_RELOAD_INTERVAL));
     tracing::info!(
         id = config.id,
         listen = %config.listen,
@@ -72,6 +123,7 @@ pub async fn run(
     let peer_service = RaftPeerServer::new(PeerService {
         cluster: config.cluster.clone(),
         raft: raft.clone(),
+        security,
     })
     .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
     .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
@@ -91,7 +143,7 @@ pub async fn run(
         .add_service(peer_service)
         .add_service(api)
         .add_service(agent_api)
-        .serve_with_incoming_shutdown(proto::transport::incoming(listener), shutdown);
+        .serve_with_incoming_shutdown(transport.incoming(listener), shutdown);
     let mut server = tokio::spawn(server);
 
     if dir.fresh && config.peers.keys().next() == Some(&config.id) {
@@ -100,8 +152,9 @@ pub async fn run(
     let join = match config.join.clone() {
         Some(addr) => {
             let (id, advertise) = (config.id, config.advertise.clone());
+            let transport = transport.clone();
             Some(tokio::spawn(async move {
-                join_cluster(&addr, id, &advertise).await
+                join_cluster(&transport, &addr, id, &advertise).await
             }))
         }
         None => None,
@@ -124,6 +177,9 @@ pub async fn run(
     };
     tracing::info!(id = config.id, "replica stopping");
     leader_loops.abort();
+    if let Some(r) = reloader {
+        r.abort();
+    }
     raft.shutdown().await.ok();
     served
         .context("server task panicked")?
@@ -156,10 +212,18 @@ async fn bootstrap(raft: &Raft, peers: &BTreeMap<u64, String>) -> anyhow::Result
 }
 
 /// Asks the cluster (through any replica) to add this replica, retrying until a leader accepts.
-/// Errors that retrying cannot fix (a conflicting id or address) end the replica.
-async fn join_cluster(via: &str, id: u64, advertise: &str) -> anyhow::Result<()> {
-    let channel =
-        lazy_channel(via).with_context(|| format!("--join address {via:?} is invalid"))?;
+/// Errors that retrying cannot fix (a conflicting id or address, a certificate the cluster
+/// refuses) end the replica. The request goes over this replica's own certificate, which may
+/// add only itself.
+async fn join_cluster(
+    transport: &Transport,
+    via: &str,
+    id: u64,
+    advertise: &str,
+) -> anyhow::Result<()> {
+    let channel = transport
+        .channel(via, ExpectedPeer::Replica)
+        .with_context(|| format!("--join address {via:?} is invalid"))?;
     let mut client = ControlPlaneClient::new(channel);
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -177,7 +241,10 @@ async fn join_cluster(via: &str, id: u64, advertise: &str) -> anyhow::Result<()>
             Err(s)
                 if matches!(
                     s.code(),
-                    tonic::Code::InvalidArgument | tonic::Code::NotFound
+                    tonic::Code::InvalidArgument
+                        | tonic::Code::NotFound
+                        | tonic::Code::PermissionDenied
+                        | tonic::Code::Unauthenticated
                 ) =>
             {
                 bail!("the cluster refused to add this replica: {}", s.message());

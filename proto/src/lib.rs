@@ -1,7 +1,9 @@
 //! Generated gRPC types and services. Domain code converts at the edge (control-plane's `api/`)
 //! and never passes these types inward. `transport` holds the channel, retry and shutdown
-//! helpers both the control plane and the agents use.
+//! helpers both the control plane and the agents use; `tls` the mutual TLS every connection
+//! runs over (certificates, identities, reloading).
 
+pub mod tls;
 pub mod transport;
 
 /// Client API (`gpucp.v1`).

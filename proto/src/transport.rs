@@ -8,15 +8,72 @@ use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
-/// A channel to `addr` (host:port) that connects on first use; building it cannot fail for a
-/// well-formed address, so callers may create it before the peer is up.
-pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+use crate::tls::client::TlsConnector;
+use crate::tls::{ExpectedPeer, TlsContext};
+
+/// How long dialling a peer may take, TCP and TLS handshake together.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+fn endpoint(addr: &str) -> Result<Endpoint, tonic::transport::Error> {
     Ok(Endpoint::from_shared(format!("http://{addr}"))?
-        .local_address(source_address())
-        .connect_timeout(Duration::from_millis(500))
+        .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
+        .http2_keep_alive_interval(Duration::from_secs(10)))
+}
+
+/// A plaintext channel to `addr` (host:port) that connects on first use; building it cannot
+/// fail for a well-formed address, so callers may create it before the peer is up.
+pub fn lazy_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    Ok(endpoint(addr)?
+        .local_address(source_address())
         .connect_lazy())
+}
+
+/// How a process talks to the others: mutual TLS with its certificate (the default
+/// everywhere), or plaintext (`--insecure`: for benchmarks of the TLS cost and for trusted
+/// test networks; nothing is authenticated then).
+#[derive(Clone)]
+pub enum Transport {
+    Plain,
+    Tls(TlsContext),
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transport::Plain => f.write_str("Plain"),
+            Transport::Tls(ctx) => write!(f, "Tls({:?})", ctx.identity().map(|i| i.subject())),
+        }
+    }
+}
+
+impl Transport {
+    /// A lazily connecting channel to `addr`, which must hold `expect`'s certificate.
+    pub fn channel(
+        &self,
+        addr: &str,
+        expect: ExpectedPeer,
+    ) -> Result<Channel, tonic::transport::Error> {
+        match self {
+            Transport::Plain => lazy_channel(addr),
+            Transport::Tls(ctx) => Ok(endpoint(addr)?.connect_with_connector_lazy(TlsConnector {
+                ctx: ctx.clone(),
+                expect,
+            })),
+        }
+    }
+
+    /// The connections a server accepts on `listener` (TLS handshakes done, peers named).
+    pub fn incoming(&self, listener: tokio::net::TcpListener) -> crate::tls::server::Incoming {
+        crate::tls::server::incoming(listener, self.tls().cloned())
+    }
+
+    pub fn tls(&self) -> Option<&TlsContext> {
+        match self {
+            Transport::Plain => None,
+            Transport::Tls(ctx) => Some(ctx),
+        }
+    }
 }
 
 /// The connections a gRPC server accepts on `listener`, with Nagle's algorithm off.

@@ -68,8 +68,9 @@ async fn invalid_requests_are_refused_naming_the_field_and_write_nothing() {
         (
             "tenant",
             pb::JobSpec {
-                tenant: "".into(),
-                ..spec("no-tenant", 1)
+                // An empty tenant means "not given" (the caller's own, or `default`).
+                tenant: "no such/tenant".into(),
+                ..spec("bad-tenant", 1)
             },
         ),
         (

@@ -7,5 +7,6 @@ mod bad_input;
 mod basic;
 mod failover;
 mod membership;
+mod security;
 mod telemetry;
 mod util;

@@ -163,7 +163,7 @@ pub fn follower_of(s: &pb::ClusterStatusResponse) -> u64 {
 pub fn gpuctl(c: &LocalCluster, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(gpuctl_bin())
         .args(args)
-        .env("GPUCTL_ENDPOINTS", c.endpoints().join(","))
+        .envs(c.gpuctl_env().expect("the cluster's admin identity"))
         .output()
         .expect("running gpuctl");
     (

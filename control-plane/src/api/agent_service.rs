@@ -14,6 +14,7 @@ use proto::agent::agent_api_server::AgentApi;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use super::auth::authenticate;
 use super::route::{error_status, route};
 use crate::leader::{LeaderConfig, Liveness};
 use crate::replica::{ApiError, Replica};
@@ -158,7 +159,8 @@ impl AgentApi for AgentService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require_node(&req.name)?;
                 require_live_leader(r, config)?;
                 let node_grace = config.node_grace.as_millis() as u64;
                 if req.fence_grace_ms + FENCE_MARGIN_MS > node_grace {
@@ -186,7 +188,7 @@ impl AgentApi for AgentService {
                 let spec = node_spec_from_proto(req);
                 crate::state::validate::validate_node_spec(&spec)?;
                 let name = spec.name.clone();
-                match r.write(Command::RegisterNode { spec }).await? {
+                match r.write(Command::RegisterNode { spec }.by(caller.actor())).await? {
                     Outcome::NodeRegistered => {}
                     Outcome::Rejected(rej) => return Err(rej.into()),
                     other => {
@@ -214,7 +216,8 @@ impl AgentApi for AgentService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require_node(&req.node)?;
                 require_live_leader(r, config)?;
                 let registered_at = {
                     let data = r.sm.read_async().await;
@@ -259,7 +262,13 @@ impl AgentApi for AgentService {
     ) -> Result<Response<Self::WatchAssignmentsStream>, Status> {
         let r = self.replica.clone();
         let config = self.config.clone();
+        let caller = authenticate(&r, &request)
+            .await
+            .map_err(|e| error_status(&r, e))?;
         let node = request.into_inner().node;
+        caller
+            .require_node(&node)
+            .map_err(|e| error_status(&r, e))?;
         require_live_leader(&r, &config).map_err(|e| error_status(&r, e))?;
         // Everything committed before this term must be applied first, or the first set could
         // omit a live allocation and make the agent stop it.
@@ -316,7 +325,8 @@ impl AgentApi for AgentService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require_node(&req.node)?;
                 {
                     // The node of an allocation never changes, so even a replica that is behind
                     // answers this check correctly. A missing allocation is left to apply: this
@@ -361,7 +371,7 @@ impl AgentApi for AgentService {
                         outcome,
                     },
                 };
-                match r.write(command).await? {
+                match r.write(command.by(caller.actor())).await? {
                     Outcome::Done
                     | Outcome::Rejected(Rejection {
                         kind: crate::state::RejectKind::NotFound,
@@ -385,20 +395,19 @@ impl AgentApi for AgentService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require_node(&req.node)?;
                 let health = if req.healthy {
                     GpuHealth::Healthy
                 } else {
                     GpuHealth::Unhealthy { reason: req.reason }
                 };
-                match r
-                    .write(Command::SetGpuHealth {
-                        node: req.node,
-                        gpu: req.gpu_uuid,
-                        health,
-                    })
-                    .await?
-                {
+                let command = Command::SetGpuHealth {
+                    node: req.node,
+                    gpu: req.gpu_uuid,
+                    health,
+                };
+                match r.write(command.by(caller.actor())).await? {
                     Outcome::Done => Ok(pa::ReportResponse {}),
                     Outcome::Rejected(rej) => Err(rej.into()),
                     other => Err(ApiError::Internal(format!("unexpected outcome {other:?}"))),

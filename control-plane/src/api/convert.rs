@@ -147,7 +147,21 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             .map(|r| allocation_to_proto(&r.allocation))
             .collect(),
         version: job.version,
+        redacted: false,
     }
+}
+
+/// Withholds what only the job's tenant (and admins) may see: its name, command,
+/// environment and idempotency key. Resources, state and placement stay visible, so other
+/// tenants can tell why their own jobs wait.
+pub fn redact_job(job: &mut pb::Job) {
+    if let Some(spec) = job.spec.as_mut() {
+        spec.name.clear();
+        spec.command.clear();
+        spec.env.clear();
+    }
+    job.idempotency_key.clear();
+    job.redacted = true;
 }
 
 /// An archived job as the API shows it: its outcome, with a last history entry that says the
@@ -180,6 +194,7 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
         ],
         allocations: Vec::new(),
         version: 0,
+        redacted: false,
     }
 }
 

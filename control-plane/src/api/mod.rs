@@ -2,6 +2,7 @@
 //! on this replica or forward it to the leader (`route`), convert the answer.
 
 mod agent_service;
+pub mod auth;
 pub mod convert;
 pub mod route;
 mod service;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
+use super::auth::{Caller, authenticate};
 use crate::replica::{ApiError, Replica};
 use crate::state::{RejectKind, Rejection};
 
@@ -39,9 +40,13 @@ pub fn error_status(replica: &Replica, e: ApiError) -> Status {
         )),
         ApiError::Unavailable(m) => Status::unavailable(m),
         ApiError::Internal(m) => Status::internal(m),
+        ApiError::Unauthenticated(m) => Status::unauthenticated(m),
+        ApiError::PermissionDenied(m) => Status::permission_denied(m),
     }
 }
 
+/// Authenticates the caller, runs `local` with it, and forwards the call to the leader when
+/// `local` says this replica is not it (with the caller's identity, see `auth`).
 pub async fn route<Req, Resp, L, LF, R, RF>(
     replica: &Replica,
     request: Request<Req>,
@@ -50,14 +55,17 @@ pub async fn route<Req, Resp, L, LF, R, RF>(
 ) -> Result<Response<Resp>, Status>
 where
     Req: Clone,
-    L: FnOnce(Req) -> LF,
+    L: FnOnce(Caller, Req) -> LF,
     LF: Future<Output = Result<Resp, ApiError>>,
     R: FnOnce(Channel, Request<Req>) -> RF,
     RF: Future<Output = Result<Response<Resp>, Status>>,
 {
     let forwarded = request.metadata().contains_key(FORWARDED);
+    let caller = authenticate(replica, &request)
+        .await
+        .map_err(|e| error_status(replica, e))?;
     let message = request.into_inner();
-    match local(message.clone()).await {
+    match local(caller.clone(), message.clone()).await {
         Ok(resp) => Ok(Response::new(resp)),
         Err(ApiError::NotLeader {
             leader: Some((leader, addr)),
@@ -67,6 +75,7 @@ where
                 .map_err(|e| error_status(replica, e))?;
             let mut req = Request::new(message);
             req.set_timeout(FORWARD_TIMEOUT);
+            caller.forward_into(req.metadata_mut());
             req.metadata_mut().insert(
                 FORWARDED,
                 replica

@@ -13,12 +13,15 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use super::auth::{Action, Caller, authenticate};
 use super::convert;
-use super::route::{forward_if_follower, route};
+use super::route::{error_status, forward_if_follower, route};
 use crate::raft::NodeId;
 use crate::replica::{ApiError, Replica};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
-use crate::state::{ClusterState, Command, GpuHealth, JobState, NodeStatus, Outcome, Rejection};
+use crate::state::{
+    ClusterState, Command, GpuHealth, Job, JobState, NodeStatus, Outcome, Rejection,
+};
 
 pub struct ControlPlaneService {
     replica: Arc<Replica>,
@@ -44,33 +47,160 @@ async fn read_barrier(replica: &Replica, read: &Option<pb::ReadOptions>) -> Resu
     replica.linearize().await
 }
 
-/// A read from this replica's applied state: linearizable unless the request asks for a stale
-/// read, forwarded to the leader when this replica cannot confirm it leads.
+/// A read from this replica's applied state, for a caller allowed `action`: linearizable
+/// unless the request asks for a stale read, forwarded to the leader when this replica cannot
+/// confirm it leads.
 async fn read_route<Req, Resp, B, R, RF>(
     r: &Replica,
     request: Request<Req>,
+    action: Action,
     options: fn(&Req) -> Option<pb::ReadOptions>,
     build: B,
     remote: R,
 ) -> Result<Response<Resp>, Status>
 where
     Req: Clone,
-    B: FnOnce(&Req, &ClusterState) -> Result<Resp, ApiError>,
+    B: FnOnce(&Caller, &Req, &ClusterState) -> Result<Resp, ApiError>,
     R: FnOnce(tonic::transport::Channel, Request<Req>) -> RF,
     RF: std::future::Future<Output = Result<Response<Resp>, Status>>,
 {
     route(
         r,
         request,
-        |req| async move {
+        |caller, req| async move {
+            caller.require(action)?;
             read_barrier(r, &options(&req)).await?;
             let data = r.sm.read();
-            build(&req, &data.cluster)
+            build(&caller, &req, &data.cluster)
         },
         remote,
     )
     .await
 }
+
+/// A job as `caller` may see it: whole, or with another tenant's details withheld.
+fn job_view(caller: &Caller, job: &Job, cluster: &ClusterState) -> pb::Job {
+    let mut view = convert::job_to_proto(job, cluster);
+    if !caller.sees_job_details(&job.spec.tenant) {
+        convert::redact_job(&mut view);
+    }
+    view
+}
+
+fn archived_view(caller: &Caller, job: &crate::state::ArchivedJob) -> pb::Job {
+    let mut view = convert::archived_job_to_proto(job);
+    if !caller.sees_job_details(job.tenant()) {
+        convert::redact_job(&mut view);
+    }
+    view
+}
+
+/// The tenant of a job this replica knows (kept whole or archived).
+fn job_tenant(cluster: &ClusterState, id: u64) -> Option<&str> {
+    cluster
+        .job(id)
+        .map(|j| j.spec.tenant.as_str())
+        .or_else(|| cluster.archived.get(&id).map(|a| a.tenant()))
+}
+
+/// The node that runs `job`, or ran it last (its history names each placement).
+fn node_of(job: &Job, cluster: &ClusterState) -> Option<String> {
+    cluster
+        .allocations_of(job.id)
+        .map(|r| r.allocation.node.clone())
+        .next()
+        .or_else(|| {
+            job.history.iter().rev().find_map(|h| {
+                h.reason
+                    .strip_prefix("placed on ")
+                    .map(|n| n.split(',').next().unwrap_or(n).to_owned())
+            })
+        })
+}
+
+/// A channel to `node`'s agent, which must hold that node's certificate.
+fn agent_channel(
+    r: &Replica,
+    cluster: &ClusterState,
+    node: &str,
+) -> Result<tonic::transport::Channel, ApiError> {
+    let n = cluster
+        .nodes
+        .get(node)
+        .ok_or_else(|| Rejection::not_found(format!("node {node} is not registered")))?;
+    if n.spec.agent_address.is_empty() {
+        return Err(
+            Rejection::precondition(format!("node {node} registered no agent address")).into(),
+        );
+    }
+    r.transport
+        .channel(
+            &n.spec.agent_address,
+            proto::tls::ExpectedPeer::Node(node.to_owned()),
+        )
+        .map_err(|e| {
+            ApiError::Internal(format!(
+                "node {node}'s agent address {:?} is invalid: {e}",
+                n.spec.agent_address
+            ))
+        })
+}
+
+/// An agent's refusal or failure, said as the client should hear it.
+fn agent_status(node: &str, s: Status) -> ApiError {
+    match s.code() {
+        tonic::Code::NotFound => Rejection::not_found(s.message().to_owned()).into(),
+        tonic::Code::InvalidArgument => {
+            Rejection::invalid("request", s.message().to_owned()).into()
+        }
+        tonic::Code::FailedPrecondition => Rejection::precondition(s.message().to_owned()).into(),
+        _ => ApiError::Unavailable(format!(
+            "the agent of node {node} did not answer: {}",
+            s.message()
+        )),
+    }
+}
+
+/// A token's secret part: 24 random bytes in hex.
+fn random_hex(bytes: usize) -> Result<String, ApiError> {
+    let mut buf = vec![0u8; bytes];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut buf)
+        .map_err(|_| ApiError::Internal("the system's random source failed".into()))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn token_to_proto(t: &crate::state::TokenRecord) -> pb::Token {
+    pb::Token {
+        id: t.id.clone(),
+        role: t.role.as_str().to_owned(),
+        tenant: t.tenant.clone().unwrap_or_default(),
+        description: t.description.clone(),
+        created_at_ms: t.created_at,
+        created_by: t.created_by.clone(),
+        expires_at_ms: t.expires_at.unwrap_or(0),
+        revoked_at_ms: t.revoked_at.unwrap_or(0),
+        revoked_by: t.revoked_by.clone().unwrap_or_default(),
+    }
+}
+
+fn audit_to_proto(a: &crate::state::AuditRecord) -> pb::AuditRecord {
+    pb::AuditRecord {
+        seq: a.seq,
+        at_ms: a.at,
+        principal: a.actor.principal.clone(),
+        role: a.actor.role.clone(),
+        tenant: a.actor.tenant.clone().unwrap_or_default(),
+        from: a.actor.from.clone(),
+        action: a.action.clone(),
+        target: a.target.clone(),
+        job_id: a.job.unwrap_or(0),
+        detail: a.detail.clone(),
+    }
+}
+
+/// Default and largest number of audit records one call returns.
+const DEFAULT_AUDIT_LIMIT: usize = 1_000;
+const MAX_AUDIT_LIMIT: usize = 100_000;
 
 fn parse_states(names: &[String]) -> Result<BTreeSet<JobState>, Rejection> {
     names
@@ -100,9 +230,15 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::SubmitJob)?;
                 forward_if_follower(r)?;
-                let spec = convert::job_spec_from_proto(req.spec)?;
+                let mut spec = convert::job_spec_from_proto(req.spec)?;
+                // No tenant given: a user's own, or `default`.
+                if spec.tenant.is_empty() {
+                    spec.tenant = caller.tenant_scope().unwrap_or("default").to_owned();
+                }
+                caller.require_tenant(&spec.tenant, "submit jobs on behalf")?;
                 validate_job_spec(&spec)?;
                 let key = if req.idempotency_key.is_empty() {
                     None
@@ -121,7 +257,10 @@ impl ControlPlane for ControlPlaneService {
                         data.cluster.check_submission(&spec)?;
                     }
                 }
-                match r.write(Command::submit(spec, key)).await? {
+                match r
+                    .write(Command::submit(spec, key).by(caller.actor()))
+                    .await?
+                {
                     Outcome::JobSubmitted { id, created } => {
                         Ok(pb::SubmitJobResponse { id, created })
                     }
@@ -142,14 +281,23 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
-                match r.write(Command::cancel(req.id, req.reason)).await? {
+            |caller, req| async move {
+                caller.require(Action::CancelJob)?;
+                // A job's tenant never changes, so this check cannot go stale before the write.
+                // A job this replica has not applied yet is checked again by the leader.
+                let tenant =
+                    job_tenant(&r.sm.read_async().await.cluster, req.id).map(str::to_owned);
+                if let Some(t) = tenant {
+                    caller.require_tenant(&t, "cancel jobs")?;
+                }
+                let command = Command::cancel(req.id, req.reason).by(caller.actor());
+                match r.write(command).await? {
                     Outcome::JobCancelled { id } => {
                         let data = r.sm.read();
                         let job = data
                             .cluster
                             .job(id)
-                            .map(|j| convert::job_to_proto(j, &data.cluster));
+                            .map(|j| job_view(&caller, j, &data.cluster));
                         Ok(pb::CancelJobResponse { job })
                     }
                     other => Err(unexpected(other)),
@@ -168,15 +316,16 @@ impl ControlPlane for ControlPlaneService {
         read_route(
             &self.replica,
             request,
+            Action::ReadJobs,
             |req| req.read,
-            |req, cluster| {
+            |caller, req, cluster| {
                 if let Some(j) = cluster.job(req.id) {
-                    return Ok(convert::job_to_proto(j, cluster));
+                    return Ok(job_view(caller, j, cluster));
                 }
                 cluster
                     .archived
                     .get(&req.id)
-                    .map(convert::archived_job_to_proto)
+                    .map(|a| archived_view(caller, a))
                     .ok_or_else(|| Rejection::not_found(cluster.missing_job(req.id)).into())
             },
             |ch, req| async move { ControlPlaneClient::new(ch).get_job(req).await },
@@ -192,8 +341,9 @@ impl ControlPlane for ControlPlaneService {
         read_route(
             &self.replica,
             request,
+            Action::ReadJobs,
             |req| req.read,
-            |req, cluster| {
+            |caller, req, cluster| {
                 let states = parse_states(&req.states)?;
                 let jobs = cluster
                     .jobs
@@ -210,7 +360,7 @@ impl ControlPlane for ControlPlaneService {
                         req.partition.is_empty()
                             || j.spec.partition.as_deref() == Some(req.partition.as_str())
                     })
-                    .map(|j| convert::job_to_proto(j, cluster))
+                    .map(|j| job_view(caller, j, cluster))
                     .collect();
                 let archived = cluster
                     .archived
@@ -225,7 +375,7 @@ impl ControlPlane for ControlPlaneService {
                     .filter(|a| req.tenant.is_empty() || a.tenant() == req.tenant)
                     // The partition is not kept in the archive: a partition filter skips it.
                     .filter(|_| req.partition.is_empty())
-                    .map(convert::archived_job_to_proto);
+                    .map(|a| archived_view(caller, a));
                 let mut jobs: Vec<pb::Job> = jobs;
                 jobs.extend(archived);
                 jobs.sort_by_key(|j| j.id);
@@ -243,6 +393,13 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::WatchJobsRequest>,
     ) -> Result<Response<Self::WatchJobsStream>, Status> {
+        let r = &self.replica;
+        let caller = authenticate(r, &request)
+            .await
+            .map_err(|e| error_status(r, e))?;
+        caller
+            .require(Action::ReadJobs)
+            .map_err(|e| error_status(r, e))?;
         let req = request.into_inner();
         // Subscribe before taking the initial listing so no change falls between the two.
         let mut events = self.replica.sm.subscribe();
@@ -254,7 +411,7 @@ impl ControlPlane for ControlPlaneService {
                 .values()
                 .filter(|j| req.tenant.is_empty() || j.spec.tenant == req.tenant)
                 .map(|j| pb::JobEvent {
-                    job: Some(convert::job_to_proto(j, &data.cluster)),
+                    job: Some(job_view(&caller, j, &data.cluster)),
                     log_index: index,
                 })
                 .collect()
@@ -277,7 +434,7 @@ impl ControlPlane for ControlPlaneService {
                         }
                         let job = {
                             let data = replica.sm.read_async().await;
-                            convert::job_to_proto(&ev.job, &data.cluster)
+                            job_view(&caller, &ev.job, &data.cluster)
                         };
                         let msg = pb::JobEvent {
                             job: Some(job),
@@ -310,8 +467,9 @@ impl ControlPlane for ControlPlaneService {
         read_route(
             &self.replica,
             request,
+            Action::ReadCluster,
             |req| req.read,
-            |_, cluster| {
+            |_, _, cluster| {
                 Ok(pb::ListNodesResponse {
                     nodes: cluster
                         .nodes
@@ -328,9 +486,16 @@ impl ControlPlane for ControlPlaneService {
     #[tracing::instrument(level = "debug", skip_all, name = "rpc.ClusterStatus")]
     async fn cluster_status(
         &self,
-        _request: Request<pb::ClusterStatusRequest>,
+        request: Request<pb::ClusterStatusRequest>,
     ) -> Result<Response<pb::ClusterStatusResponse>, Status> {
-        Ok(Response::new(cluster_status(&self.replica)))
+        let r = &self.replica;
+        let caller = authenticate(r, &request)
+            .await
+            .map_err(|e| error_status(r, e))?;
+        caller
+            .require(Action::ReadCluster)
+            .map_err(|e| error_status(r, e))?;
+        Ok(Response::new(cluster_status(r)))
     }
 
     #[tracing::instrument(level = "info", skip_all, name = "rpc.AddReplica")]
@@ -342,7 +507,17 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::ManageReplicas)?;
+                // A replica certificate may only add its own replica (`--join`).
+                if let super::auth::Principal::Replica(name) = &caller.principal
+                    && *name != format!("replica-{}", req.id)
+                {
+                    return Err(ApiError::PermissionDenied(format!(
+                        "the certificate of {name} may add only itself, not replica {}",
+                        req.id
+                    )));
+                }
                 check_member_request(r, req.id, Some(&req.address))?;
                 r.require_leader()?;
                 let node = openraft::BasicNode::new(req.address.clone());
@@ -361,6 +536,23 @@ impl ControlPlane for ControlPlaneService {
                         .await
                         .map_err(|e| membership_error(r, e))?;
                 }
+                note_membership(
+                    r,
+                    &caller,
+                    "add_replica",
+                    req.id,
+                    format!(
+                        "added replica {} at {}{}",
+                        req.id,
+                        req.address,
+                        if req.learner_only {
+                            " as a learner"
+                        } else {
+                            ""
+                        }
+                    ),
+                )
+                .await;
                 Ok(cluster_status(r))
             },
             |ch, req| async move { ControlPlaneClient::new(ch).add_replica(req).await },
@@ -377,7 +569,13 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::ManageReplicas)?;
+                if let super::auth::Principal::Replica(name) = &caller.principal {
+                    return Err(ApiError::PermissionDenied(format!(
+                        "the certificate of {name} may not remove replicas; use an admin token or certificate"
+                    )));
+                }
                 check_member_request(r, req.id, None)?;
                 r.require_leader()?;
                 let membership = r.raft.metrics().borrow().membership_config.clone();
@@ -398,6 +596,14 @@ impl ControlPlane for ControlPlaneService {
                     .change_membership(change, false)
                     .await
                     .map_err(|e| membership_error(r, e))?;
+                note_membership(
+                    r,
+                    &caller,
+                    "remove_replica",
+                    req.id,
+                    format!("removed replica {}", req.id),
+                )
+                .await;
                 Ok(cluster_status(r))
             },
             |ch, req| async move { ControlPlaneClient::new(ch).remove_replica(req).await },
@@ -414,15 +620,14 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::ManageTenants)?;
                 let tenant = convert::tenant_from_proto(req);
                 crate::state::validate::validate_tenant(&tenant)?;
-                match r
-                    .write(Command::PutTenant {
-                        tenant: tenant.clone(),
-                    })
-                    .await?
-                {
+                let command = Command::PutTenant {
+                    tenant: tenant.clone(),
+                };
+                match r.write(command.by(caller.actor())).await? {
                     Outcome::Done => Ok(convert::tenant_to_proto(&tenant)),
                     other => Err(unexpected(other)),
                 }
@@ -439,8 +644,9 @@ impl ControlPlane for ControlPlaneService {
         read_route(
             &self.replica,
             request,
+            Action::ReadCluster,
             |req| req.read,
-            |_, cluster| {
+            |_, _, cluster| {
                 Ok(pb::ListTenantsResponse {
                     tenants: cluster
                         .tenants
@@ -463,15 +669,14 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::ManagePartitions)?;
                 let partition = convert::partition_from_proto(req);
                 crate::state::validate::validate_partition(&partition)?;
-                match r
-                    .write(Command::PutPartition {
-                        partition: partition.clone(),
-                    })
-                    .await?
-                {
+                let command = Command::PutPartition {
+                    partition: partition.clone(),
+                };
+                match r.write(command.by(caller.actor())).await? {
                     Outcome::Done => Ok(convert::partition_to_proto(&partition)),
                     other => Err(unexpected(other)),
                 }
@@ -490,14 +695,15 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::ManageNodes)?;
                 let command = Command::SetNodeStatus {
                     node: req.node.clone(),
                     status: NodeStatus::Drained,
                     evict: req.evict,
                     reason: req.reason,
                 };
-                node_after(r, command, &req.node).await
+                node_after(r, command.by(caller.actor()), &req.node).await
             },
             |ch, req| async move { ControlPlaneClient::new(ch).drain_node(req).await },
         )
@@ -513,14 +719,15 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::ManageNodes)?;
                 let command = Command::SetNodeStatus {
                     node: req.node.clone(),
                     status: NodeStatus::Ready,
                     evict: false,
                     reason: String::new(),
                 };
-                node_after(r, command, &req.node).await
+                node_after(r, command.by(caller.actor()), &req.node).await
             },
             |ch, req| async move { ControlPlaneClient::new(ch).undrain_node(req).await },
         )
@@ -536,13 +743,14 @@ impl ControlPlane for ControlPlaneService {
         route(
             r,
             request,
-            |req| async move {
+            |caller, req| async move {
+                caller.require(Action::ManageNodes)?;
                 let command = Command::SetGpuHealth {
                     node: req.node.clone(),
                     gpu: req.gpu,
                     health: GpuHealth::Healthy,
                 };
-                node_after(r, command, &req.node).await
+                node_after(r, command.by(caller.actor()), &req.node).await
             },
             |ch, req| async move { ControlPlaneClient::new(ch).uncordon_gpu(req).await },
         )
@@ -556,8 +764,9 @@ impl ControlPlane for ControlPlaneService {
         read_route(
             &self.replica,
             request,
+            Action::ReadCluster,
             |req| req.read,
-            |_, cluster| {
+            |_, _, cluster| {
                 Ok(pb::ListPartitionsResponse {
                     partitions: cluster
                         .partitions
@@ -569,6 +778,291 @@ impl ControlPlane for ControlPlaneService {
             |ch, req| async move { ControlPlaneClient::new(ch).list_partitions(req).await },
         )
         .await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.CreateToken")]
+    async fn create_token(
+        &self,
+        request: Request<pb::CreateTokenRequest>,
+    ) -> Result<Response<pb::CreateTokenResponse>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |caller, req| async move {
+                caller.require(Action::ManageTokens)?;
+                forward_if_follower(r)?;
+                let role = crate::state::ApiRole::parse(&req.role).ok_or_else(|| {
+                    Rejection::invalid(
+                        "role",
+                        format!("{:?} is not admin, operator or user", req.role),
+                    )
+                })?;
+                let secret = random_hex(24)?;
+                let expires_at = (req.ttl_secs > 0)
+                    .then(|| r.now_ms().saturating_add(req.ttl_secs.saturating_mul(1000)));
+                let token = crate::state::TokenRecord {
+                    id: random_hex(8)?,
+                    secret_sha256: super::auth::secret_hash(&secret),
+                    role,
+                    tenant: (!req.tenant.is_empty()).then_some(req.tenant),
+                    description: req.description,
+                    created_at: 0,
+                    created_by: caller.principal_name(),
+                    expires_at,
+                    revoked_at: None,
+                    revoked_by: None,
+                };
+                crate::state::access::validate_token(&token)?;
+                let id = token.id.clone();
+                match r
+                    .write(Command::CreateToken { token }.by(caller.actor()))
+                    .await?
+                {
+                    Outcome::Done => {
+                        let data = r.sm.read();
+                        let token = data.cluster.tokens.get(&id).map(token_to_proto);
+                        Ok(pb::CreateTokenResponse {
+                            token,
+                            secret: format!("{}.{id}.{secret}", super::auth::TOKEN_PREFIX),
+                        })
+                    }
+                    other => Err(unexpected(other)),
+                }
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).create_token(req).await },
+        )
+        .await
+    }
+
+    async fn list_tokens(
+        &self,
+        request: Request<pb::ListTokensRequest>,
+    ) -> Result<Response<pb::ListTokensResponse>, Status> {
+        read_route(
+            &self.replica,
+            request,
+            Action::ManageTokens,
+            |req| req.read,
+            |_, _, cluster| {
+                Ok(pb::ListTokensResponse {
+                    tokens: cluster.tokens.values().map(token_to_proto).collect(),
+                })
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).list_tokens(req).await },
+        )
+        .await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.RevokeToken")]
+    async fn revoke_token(
+        &self,
+        request: Request<pb::RevokeTokenRequest>,
+    ) -> Result<Response<pb::Token>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |caller, req| async move {
+                caller.require(Action::ManageTokens)?;
+                let command = Command::RevokeToken {
+                    id: req.id.clone(),
+                    by: caller.principal_name(),
+                };
+                match r.write(command.by(caller.actor())).await? {
+                    Outcome::Done => {
+                        r.sm.read()
+                            .cluster
+                            .tokens
+                            .get(&req.id)
+                            .map(token_to_proto)
+                            .ok_or_else(|| ApiError::Internal("a revoked token vanished".into()))
+                    }
+                    other => Err(unexpected(other)),
+                }
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).revoke_token(req).await },
+        )
+        .await
+    }
+
+    async fn list_audit(
+        &self,
+        request: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        read_route(
+            &self.replica,
+            request,
+            Action::ReadAudit,
+            |req| req.read,
+            |caller, req, cluster| {
+                let limit = match req.limit as usize {
+                    0 => DEFAULT_AUDIT_LIMIT,
+                    n => n.min(MAX_AUDIT_LIMIT),
+                };
+                let own = caller.tenant_scope();
+                let mut records: Vec<pb::AuditRecord> = cluster
+                    .audit
+                    .values()
+                    .rev()
+                    .filter(|a| a.at >= req.since_ms)
+                    .filter(|a| req.job_id == 0 || a.job == Some(req.job_id))
+                    // A user sees what its tenant did and what was done to its jobs.
+                    .filter(|a| match own {
+                        None => true,
+                        Some(t) => {
+                            a.actor.tenant.as_deref() == Some(t)
+                                || a.job.and_then(|j| job_tenant(cluster, j)) == Some(t)
+                        }
+                    })
+                    .take(limit)
+                    .map(audit_to_proto)
+                    .collect();
+                records.reverse();
+                Ok(pb::ListAuditResponse { records })
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).list_audit(req).await },
+        )
+        .await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.ReadJobLogs")]
+    async fn read_job_logs(
+        &self,
+        request: Request<pb::ReadJobLogsRequest>,
+    ) -> Result<Response<pb::ReadJobLogsResponse>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |caller, req| async move {
+                caller.require(Action::ReadLogs)?;
+                read_barrier(r, &None).await?;
+                let (node, channel) = {
+                    let data = r.sm.read();
+                    let cluster = &data.cluster;
+                    let tenant = job_tenant(cluster, req.job_id)
+                        .ok_or_else(|| Rejection::not_found(cluster.missing_job(req.job_id)))?;
+                    caller.require_tenant(tenant, "read the logs of jobs")?;
+                    let job = cluster.job(req.job_id).ok_or_else(|| {
+                        Rejection::not_found(format!(
+                            "job {} was archived: its record no longer names the node that ran it",
+                            req.job_id
+                        ))
+                    })?;
+                    let node = node_of(job, cluster).ok_or_else(|| {
+                        Rejection::precondition(format!(
+                            "job {} has not run anywhere yet (state {})",
+                            req.job_id,
+                            job.state.as_str()
+                        ))
+                    })?;
+                    let channel = agent_channel(r, cluster, &node)?;
+                    (node, channel)
+                };
+                let mut agent = proto::agent::node_agent_client::NodeAgentClient::new(channel);
+                let mut call = Request::new(proto::agent::ReadLogsRequest {
+                    job_id: req.job_id,
+                    tail_bytes: req.tail_bytes,
+                });
+                call.set_timeout(std::time::Duration::from_secs(10));
+                let logs = agent
+                    .read_logs(call)
+                    .await
+                    .map_err(|s| agent_status(&node, s))?
+                    .into_inner();
+                Ok(pb::ReadJobLogsResponse {
+                    stdout: logs.stdout,
+                    stderr: logs.stderr,
+                    node,
+                    allocation_id: logs.allocation_id,
+                })
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).read_job_logs(req).await },
+        )
+        .await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.InjectFault")]
+    async fn inject_fault(
+        &self,
+        request: Request<pb::InjectFaultRequest>,
+    ) -> Result<Response<pb::InjectFaultResponse>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |caller, req| async move {
+                caller.require(Action::ManageNodes)?;
+                use proto::agent::inject_fault_request::Fault as AgentFault;
+                let fault = match req.fault {
+                    Some(pb::inject_fault_request::Fault::Xid(x)) => AgentFault::Xid(x),
+                    Some(pb::inject_fault_request::Fault::FallOffBus(b)) => {
+                        AgentFault::FallOffBus(b)
+                    }
+                    Some(pb::inject_fault_request::Fault::Recover(b)) => AgentFault::Recover(b),
+                    None => {
+                        return Err(Rejection::invalid(
+                            "fault",
+                            "give an xid, fall_off_bus or recover",
+                        )
+                        .into());
+                    }
+                };
+                let channel = agent_channel(r, &r.sm.read().cluster, &req.node)?;
+                let mut agent = proto::agent::node_agent_client::NodeAgentClient::new(channel);
+                let mut call = Request::new(proto::agent::InjectFaultRequest {
+                    gpu_index: req.gpu_index,
+                    fault: Some(fault),
+                });
+                call.set_timeout(std::time::Duration::from_secs(10));
+                let resp = agent
+                    .inject_fault(call)
+                    .await
+                    .map_err(|s| agent_status(&req.node, s))?
+                    .into_inner();
+                tracing::info!(node = %req.node, gpu = req.gpu_index, by = %caller.principal_name(), "fault injected");
+                Ok(pb::InjectFaultResponse {
+                    gpu_uuid: resp.gpu_uuid,
+                })
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).inject_fault(req).await },
+        )
+        .await
+    }
+
+    async fn who_am_i(
+        &self,
+        request: Request<pb::WhoAmIRequest>,
+    ) -> Result<Response<pb::WhoAmIResponse>, Status> {
+        let r = &self.replica;
+        let caller = authenticate(r, &request)
+            .await
+            .map_err(|e| error_status(r, e))?;
+        let actor = caller.actor();
+        Ok(Response::new(pb::WhoAmIResponse {
+            principal: actor.principal,
+            role: actor.role,
+            tenant: actor.tenant.unwrap_or_default(),
+            from: actor.from,
+            security_enforced: r.security.enforced,
+        }))
+    }
+}
+
+/// Records a membership change in the audit trail (openraft applies the change itself, so it
+/// has no command of its own). A failure to record is logged: the change has happened.
+async fn note_membership(r: &Replica, caller: &Caller, action: &str, id: NodeId, detail: String) {
+    let note = Command::AuditNote {
+        action: action.to_owned(),
+        target: format!("replica {id}"),
+        detail,
+    };
+    if let Err(e) = r.write(note.by(caller.actor())).await {
+        tracing::warn!(
+            ?e,
+            "recording a membership change in the audit trail failed"
+        );
     }
 }
 
@@ -690,5 +1184,31 @@ pub fn cluster_status(r: &Replica) -> pb::ClusterStatusResponse {
         members,
         jobs: data.cluster.jobs.len() as u64,
         nodes: data.cluster.nodes.len() as u64,
+        security_enforced: r.security.enforced,
+        certificates: r
+            .security
+            .certificates()
+            .into_iter()
+            .map(|(subject, not_after_ms)| pb::CertificateInfo {
+                subject,
+                not_after_ms,
+            })
+            .collect(),
+        refusals: r
+            .security
+            .counters
+            .snapshot()
+            .into_iter()
+            .chain(
+                r.security
+                    .tls
+                    .as_ref()
+                    .map(|t| ("tls_handshake", t.handshake_failures())),
+            )
+            .map(|(name, value)| pb::Counter {
+                name: name.to_owned(),
+                value,
+            })
+            .collect(),
     }
 }

@@ -19,8 +19,27 @@ use anyhow::Context;
 use proto::v1 as pb;
 use serde_json::json;
 
-use super::output::Format;
+use super::output::{Format, table};
 use crate::local_cluster::{LocalCluster, free_ports};
+
+/// How the benchmark's cluster is secured. Several modes run one after the other, each on a
+/// fresh cluster, and are reported side by side (the cost of TLS, measured in one run).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Security {
+    /// Mutual TLS on every connection, tokens and roles checked: how the cluster runs.
+    Tls,
+    /// Plaintext, nothing authenticated (`--insecure`).
+    Insecure,
+}
+
+impl Security {
+    fn name(self) -> &'static str {
+        match self {
+            Security::Tls => "tls",
+            Security::Insecure => "insecure",
+        }
+    }
+}
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
@@ -38,6 +57,9 @@ pub enum BenchCommand {
         /// Submissions per second of the steady job stream.
         #[arg(long, default_value_t = 200)]
         rate: u64,
+        /// tls, insecure, or both (`tls,insecure`: side by side, each on a fresh cluster).
+        #[arg(long, value_enum, default_value = "tls", value_delimiter = ',')]
+        security: Vec<Security>,
     },
     /// Committed placements per second: a burst of one-GPU jobs on simulated hosts.
     Placement {
@@ -60,12 +82,21 @@ pub enum BenchCommand {
         /// Heartbeat period of each host (default: half the lease the control plane grants).
         #[arg(long, value_name = "MS")]
         heartbeat_ms: Option<u64>,
+        /// insecure (the default: thousands of simulated hosts share connections in one
+        /// process) or tls (each host with its own certificate and connections).
+        #[arg(long, value_enum, default_value = "insecure", value_delimiter = ',')]
+        security: Vec<Security>,
     },
     /// Submission latency at fixed offered rates (open loop) through three replicas.
     Submit {
         /// Offered rates in submissions per second (comma-separated; each is run in turn).
-        #[arg(long, default_value = "100,1000,5000", value_delimiter = ',')]
-        rates: Vec<u64>,
+        /// Default 100,1000,5000 unless --clients is given.
+        #[arg(long, value_delimiter = ',')]
+        rates: Option<Vec<u64>>,
+        /// Closed loop instead: this many concurrent clients, spread over the replicas, each
+        /// sending its next submission once the last is committed (comma-separated counts).
+        #[arg(long, value_delimiter = ',')]
+        clients: Vec<usize>,
         /// Replica the client is pinned to: follower (forwards to the leader), leader, or both.
         #[arg(
             long,
@@ -81,6 +112,9 @@ pub enum BenchCommand {
         /// to keep a heavily loaded machine from electing new leaders mid-run).
         #[arg(long, default_value = "", allow_hyphen_values = true)]
         replica_args: String,
+        /// tls, insecure, or both (`tls,insecure`: side by side, each on a fresh cluster).
+        #[arg(long, value_enum, default_value = "tls", value_delimiter = ',')]
+        security: Vec<Security>,
     },
     /// One scheduling pass, in process, on synthetic fleets (no replicas started).
     Scheduler {
@@ -196,11 +230,56 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
     }
     let tmp = tempfile::Builder::new().prefix("gpucp-bench-").tempdir()?;
     let dir = keep_data.unwrap_or_else(|| tmp.path().to_owned());
+    let modes = match &command {
+        BenchCommand::Failover { security, .. }
+        | BenchCommand::Placement { security, .. }
+        | BenchCommand::Submit { security, .. } => security.clone(),
+        _ => vec![Security::Tls],
+    };
+    if modes.is_empty() {
+        anyhow::bail!("--security must name tls, insecure or both");
+    }
+    let mut reports = Vec::new();
+    for &mode in &modes {
+        // Each mode on a cluster of its own, one after the other, so they share the machine's
+        // state (caches, other load) as closely as two runs can.
+        let root = if modes.len() == 1 {
+            dir.clone()
+        } else {
+            dir.join(mode.name())
+        };
+        let report = run_on_cluster(&command, &root, mode)?;
+        reports.push((mode, report));
+    }
+    let (text, json) = if reports.len() == 1 {
+        let (mode, r) = reports.pop().expect("one report");
+        let mut json = r.json;
+        json["security"] = json!(mode.name());
+        (r.text, json)
+    } else {
+        side_by_side(&reports)
+    };
+    match fmt {
+        Format::Json => println!("{json}"),
+        Format::Table => print!("{text}"),
+    }
+    Ok(())
+}
+
+/// Starts a three-replica cluster secured as `mode` under `root` and runs the benchmark on it.
+fn run_on_cluster(
+    command: &BenchCommand,
+    root: &std::path::Path,
+    mode: Security,
+) -> anyhow::Result<Report> {
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports = free_ports(3)?;
-    let mut cluster = LocalCluster::new(&exe, &["replica"], &dir, "bench", &ports);
+    let mut cluster = LocalCluster::new(&exe, &["replica"], root, "bench", &ports);
+    if mode == Security::Insecure {
+        cluster.set_insecure();
+    }
     if let BenchCommand::Failover { replica_args, .. } | BenchCommand::Submit { replica_args, .. } =
-        &command
+        command
     {
         cluster.extra_args = replica_args.split_whitespace().map(str::to_owned).collect();
     }
@@ -208,13 +287,17 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let result = runtime.block_on(async {
+    runtime.block_on(async {
         cluster.wait_for_leader(Duration::from_secs(30)).await?;
         match command {
             BenchCommand::Failover {
                 kills, hosts, rate, ..
             } => {
-                let args = super::bench_failover::Args { kills, hosts, rate };
+                let args = super::bench_failover::Args {
+                    kills: *kills,
+                    hosts: *hosts,
+                    rate: *rate,
+                };
                 let (text, json) = super::bench_failover::run(&mut cluster, args).await?;
                 Ok::<_, anyhow::Error>(Report { text, json })
             }
@@ -225,13 +308,14 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
                 finish,
                 submit_concurrency,
                 heartbeat_ms,
+                ..
             } => {
                 let args = super::bench_placement::Args {
-                    hosts,
-                    jobs,
-                    preset,
-                    finish,
-                    submit_concurrency,
+                    hosts: *hosts,
+                    jobs: *jobs,
+                    preset: preset.clone(),
+                    finish: *finish,
+                    submit_concurrency: *submit_concurrency,
                     heartbeat: heartbeat_ms.map(Duration::from_millis),
                 };
                 let (text, json) = super::bench_placement::run(&cluster, args).await?;
@@ -239,16 +323,38 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             }
             BenchCommand::Submit {
                 rates,
+                clients,
                 via,
                 seconds,
                 ..
             } => {
-                let args = super::bench_submit::Args {
-                    rates,
-                    vias: via,
-                    duration: Duration::from_secs(seconds),
+                let duration = Duration::from_secs(*seconds);
+                let rates = match (rates, clients.is_empty()) {
+                    (Some(r), _) => r.clone(),
+                    (None, true) => vec![100, 1000, 5000],
+                    (None, false) => Vec::new(),
                 };
-                let (text, json) = super::bench_submit::run(&cluster, args).await?;
+                let mut text = String::new();
+                let mut json = json!({"benchmark": "submit", "replicas": cluster.replicas.len()});
+                if !clients.is_empty() {
+                    let (t, j) =
+                        super::bench_submit_closed::run(&cluster, clients, duration).await?;
+                    text.push_str(&t);
+                    json["closed_loop"] = j;
+                }
+                if !rates.is_empty() {
+                    let args = super::bench_submit::Args {
+                        rates,
+                        vias: via.clone(),
+                        duration,
+                    };
+                    let (t, j) = super::bench_submit::run(&cluster, args).await?;
+                    text.push_str(&t);
+                    // The open-loop report's fields stay at the top level, as before.
+                    if let (Some(obj), Some(open)) = (json.as_object_mut(), j.as_object()) {
+                        obj.extend(open.clone());
+                    }
+                }
                 Ok(Report { text, json })
             }
             BenchCommand::Scheduler { .. }
@@ -257,12 +363,104 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
                 unreachable!("runs in process, above")
             }
         }
-    })?;
-    match fmt {
-        Format::Json => println!("{}", result.json),
-        Format::Table => print!("{}", result.text),
+    })
+}
+
+/// The reports of several security modes, one after the other, with the figures that
+/// compare them in a table of their own.
+fn side_by_side(reports: &[(Security, Report)]) -> (String, serde_json::Value) {
+    let mut text = String::new();
+    let mut by_mode = serde_json::Map::new();
+    for (mode, r) in reports {
+        text.push_str(&format!("=== security: {} ===\n{}\n", mode.name(), r.text));
+        by_mode.insert(mode.name().to_owned(), r.json.clone());
     }
-    Ok(())
+    // The figures a reader compares: committed writes per second (closed loop), p99 latency
+    // (open loop), failover to first placement.
+    let figures: [(&str, fn(&serde_json::Value) -> Vec<(String, f64)>); 3] = [
+        ("committed/s", |j| {
+            j["closed_loop"]["runs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|r| {
+                    (
+                        format!("{} clients", r["clients"]),
+                        r["committed_per_sec"].as_f64().unwrap_or(f64::NAN),
+                    )
+                })
+                .collect()
+        }),
+        ("p99 ms", |j| {
+            j["runs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["offered_per_sec"].is_u64())
+                .map(|r| {
+                    (
+                        format!(
+                            "{}/s via {}",
+                            r["offered_per_sec"],
+                            r["via"].as_str().unwrap_or("?")
+                        ),
+                        r["latency_ms"]["p99"].as_f64().unwrap_or(f64::NAN),
+                    )
+                })
+                .collect()
+        }),
+        ("failover p50/p99 ms", |j| {
+            let p = &j["to_first_placement_ms"];
+            if p.is_null() {
+                return Vec::new();
+            }
+            vec![
+                (
+                    "first placement p50".into(),
+                    p["p50"].as_f64().unwrap_or(f64::NAN),
+                ),
+                (
+                    "first placement p99".into(),
+                    p["p99"].as_f64().unwrap_or(f64::NAN),
+                ),
+            ]
+        }),
+    ];
+    let mut rows = Vec::new();
+    let mut comparison = Vec::new();
+    for (unit, extract) in figures {
+        let per_mode: Vec<Vec<(String, f64)>> =
+            reports.iter().map(|(_, r)| extract(&r.json)).collect();
+        let Some(first) = per_mode.first() else {
+            continue;
+        };
+        for (i, (case, _)) in first.iter().enumerate() {
+            let values: Vec<f64> = per_mode
+                .iter()
+                .map(|v| v.get(i).map_or(f64::NAN, |(_, x)| *x))
+                .collect();
+            let ratio = values[0] / values[values.len() - 1];
+            let mut row = vec![unit.to_owned(), case.clone()];
+            row.extend(values.iter().map(|v| format!("{v:.1}")));
+            row.push(format!("{ratio:.3}"));
+            rows.push(row);
+            comparison.push(json!({"figure": unit, "case": case, "values": values, "ratio_first_to_last": ratio}));
+        }
+    }
+    if !rows.is_empty() {
+        let names: Vec<&str> = reports.iter().map(|(m, _)| m.name()).collect();
+        let mut headers = vec!["FIGURE", "CASE"];
+        headers.extend(names.iter().copied());
+        let ratio_header = format!("{}/{}", names[0], names[names.len() - 1]);
+        headers.push(&ratio_header);
+        text.push_str(&format!("=== side by side ===\n{}", table(&headers, &rows)));
+    }
+    let json = json!({
+        "security": reports.iter().map(|(m, _)| m.name()).collect::<Vec<_>>(),
+        "by_security": by_mode,
+        "comparison": comparison,
+    });
+    (text, json)
 }
 
 struct Report {

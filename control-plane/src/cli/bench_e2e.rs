@@ -229,7 +229,11 @@ fn run_ours(args: &Args, preset: &str, dir: PathBuf) -> anyhow::Result<SideResul
         }
         submit_all(&cluster, args.jobs).await?;
         // Watch from the leader (it applies a commit first), starting with the current jobs.
-        let mut watch = JobWatch::new(cluster.addr(status.leader), args.jobs);
+        let mut watch = JobWatch::new(
+            cluster.addr(status.leader),
+            cluster.credentials()?,
+            args.jobs,
+        );
         watch.connect().await?;
 
         let t0 = Instant::now();
@@ -329,6 +333,7 @@ async fn submit_all(cluster: &LocalCluster, jobs: usize) -> anyhow::Result<()> {
 /// Follows the benchmark's jobs through `WatchJobs` until every one is in a final state.
 struct JobWatch {
     addr: String,
+    credentials: crate::client::Credentials,
     expected: usize,
     /// Job id → latest state seen.
     states: HashMap<u64, String>,
@@ -340,9 +345,10 @@ fn is_final(state: &str) -> bool {
 }
 
 impl JobWatch {
-    fn new(addr: String, expected: usize) -> JobWatch {
+    fn new(addr: String, credentials: crate::client::Credentials, expected: usize) -> JobWatch {
         JobWatch {
             addr,
+            credentials,
             expected,
             states: HashMap::new(),
             stream: None,
@@ -352,7 +358,7 @@ impl JobWatch {
     /// (Re)opens the stream; its initial listing refreshes every job's state, so a watch that
     /// fell behind loses nothing by reconnecting.
     async fn connect(&mut self) -> anyhow::Result<()> {
-        let mut c = Client::new(std::slice::from_ref(&self.addr))?.endpoint_client(0);
+        let mut c = self.credentials.api_client(&self.addr)?;
         let stream = c
             .watch_jobs(pb::WatchJobsRequest {
                 tenant: TENANT.into(),

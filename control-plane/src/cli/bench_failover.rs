@@ -44,7 +44,7 @@ pub async fn run(
     }
     cluster.wait_for_leader(Duration::from_secs(30)).await?;
     let mut fleet = SimulatedFleet::start(
-        &cluster.endpoints(),
+        cluster,
         &FleetOptions {
             hosts: args.hosts,
             preset: "dgx-h100".into(),
@@ -85,13 +85,18 @@ pub async fn run(
             .filter(|r| r.id != killed)
             .map(|r| r.addr.clone())
             .collect();
-        let mut probe = Client::new(&survivors)?;
+        let mut probe = Client::new(&survivors, &cluster.credentials()?)?;
         probe.attempt_timeout = Duration::from_millis(300);
         probe.deadline = Duration::from_secs(30);
         let t0 = Instant::now();
         cluster.kill(killed)?;
 
-        let leader_watch = tokio::spawn(new_leader(survivors.clone(), killed, before.term));
+        let leader_watch = tokio::spawn(new_leader(
+            survivors.clone(),
+            cluster.credentials()?,
+            killed,
+            before.term,
+        ));
         seq += 1;
         let req = submit_request(seq, "probe");
         probe
@@ -182,10 +187,15 @@ fn ms(d: Duration) -> f64 {
 
 /// Polls the survivors until one names a leader of a later term than `term` other than
 /// `killed`; returns when and which.
-async fn new_leader(addrs: Vec<String>, killed: u64, term: u64) -> (Instant, u64) {
+async fn new_leader(
+    addrs: Vec<String>,
+    credentials: crate::client::Credentials,
+    killed: u64,
+    term: u64,
+) -> (Instant, u64) {
     loop {
         for a in &addrs {
-            if let Ok(mut c) = Client::new(std::slice::from_ref(a)) {
+            if let Ok(mut c) = Client::new(std::slice::from_ref(a), &credentials) {
                 c.deadline = Duration::from_millis(100);
                 c.attempt_timeout = Duration::from_millis(100);
                 if let Ok(s) = c

@@ -5,6 +5,10 @@
 //! once), so GPUs turn over through the log. No node-agent processes and no workloads: a
 //! thousand agent processes would measure the host, not the control plane.
 //!
+//! With TLS on, each host holds a node certificate of its own and talks over its own
+//! connections, as separate agents would (the control plane takes a node's reports only from
+//! that node's certificate); plaintext fleets share connections between hosts.
+//!
 //! Heartbeats are spread evenly over the heartbeat period (a few hundred hosts per tick, a
 //! bounded number in flight) so that 12,500 hosts cost a steady trickle of small RPCs instead
 //! of a burst every period. The period defaults to half the lease the control plane announces:
@@ -20,11 +24,13 @@ use anyhow::Context;
 use futures::{StreamExt, stream};
 use proto::agent as pa;
 use proto::agent::agent_api_client::AgentApiClient;
-use proto::transport::{lazy_channel, retryable};
+use proto::tls::{CertRole, ExpectedPeer};
+use proto::transport::{Transport, retryable};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
+use crate::local_cluster::LocalCluster;
 use crate::state::NodeSpec;
 use crate::synthetic::node_from_preset;
 
@@ -100,11 +106,12 @@ struct AgentEndpoints {
 }
 
 impl AgentEndpoints {
-    fn new(endpoints: &[String]) -> anyhow::Result<AgentEndpoints> {
+    fn new(endpoints: &[String], transport: &Transport) -> anyhow::Result<AgentEndpoints> {
         let clients = endpoints
             .iter()
             .map(|e| {
-                lazy_channel(e)
+                transport
+                    .channel(e, ExpectedPeer::Replica)
                     .map(AgentApiClient::new)
                     .with_context(|| format!("endpoint {e:?} is not HOST:PORT"))
             })
@@ -153,11 +160,18 @@ impl AgentEndpoints {
 /// One simulated host: its registration, fixed for the fleet's life.
 struct Host {
     registration: pa::RegisterNodeRequest,
+    /// The host's own connections (TLS: with its node certificate); `None` on a plaintext
+    /// fleet, whose hosts share the fleet's.
+    own: Option<AgentEndpoints>,
 }
 
 impl Host {
     fn name(&self) -> &str {
         &self.registration.name
+    }
+
+    fn api<'a>(&'a self, shared: &'a AgentEndpoints) -> &'a AgentEndpoints {
+        self.own.as_ref().unwrap_or(shared)
     }
 }
 
@@ -185,9 +199,11 @@ impl Drop for SimulatedFleet {
 }
 
 impl SimulatedFleet {
-    /// Registers every host (through any replica) and starts their heartbeats.
-    pub async fn start(endpoints: &[String], options: &FleetOptions) -> anyhow::Result<Self> {
-        let api = AgentEndpoints::new(endpoints)?;
+    /// Registers every host (through any replica of `cluster`) and starts their heartbeats.
+    /// On a cluster with TLS each host gets a node certificate of its own.
+    pub async fn start(cluster: &LocalCluster, options: &FleetOptions) -> anyhow::Result<Self> {
+        let endpoints = cluster.endpoints();
+        let api = AgentEndpoints::new(&endpoints, &Transport::Plain)?;
         // Unique per run, so a host of an earlier run in the same data directory is told apart.
         let incarnation = format!(
             "bench-{}-{}",
@@ -202,8 +218,16 @@ impl SimulatedFleet {
                 let name = format!("{}-{i}", options.prefix);
                 let spec = node_from_preset(&options.preset, &name, None, BTreeMap::new())
                     .with_context(|| format!("building simulated host {name}"))?;
+                let own = match cluster.is_secure() {
+                    false => None,
+                    true => Some(AgentEndpoints::new(
+                        &endpoints,
+                        &host_transport(cluster, &name)?,
+                    )?),
+                };
                 Ok(Host {
                     registration: registration(&spec, &incarnation),
+                    own,
                 })
             })
             .collect::<anyhow::Result<_>>()?;
@@ -214,7 +238,7 @@ impl SimulatedFleet {
 
         let started = Instant::now();
         let answers: Vec<Result<pa::RegisterNodeResponse, Status>> =
-            stream::iter(hosts.iter().map(|h| register(&api, h)))
+            stream::iter(hosts.iter().map(|h| register(h.api(&api), h)))
                 .buffer_unordered(IN_FLIGHT)
                 .collect()
                 .await;
@@ -231,7 +255,7 @@ impl SimulatedFleet {
             .max(Duration::from_millis(50));
 
         let mut fleet = SimulatedFleet {
-            addresses: endpoints.to_vec(),
+            addresses: endpoints.clone(),
             endpoints: api,
             hosts: Arc::new(hosts),
             counters: Arc::default(),
@@ -266,8 +290,11 @@ impl SimulatedFleet {
         for i in 0..self.hosts.len() {
             // Each group of hosts gets its own connections, as separate agents would have:
             // thousands of long-lived streams on one HTTP/2 connection would serialize them.
-            if i % HOSTS_PER_CONNECTION == 0 {
-                group = AgentEndpoints::new(&self.addresses)?;
+            // (Hosts with certificates of their own use their own connections anyway.)
+            if let Some(own) = &self.hosts[i].own {
+                group = own.clone();
+            } else if i % HOSTS_PER_CONNECTION == 0 {
+                group = AgentEndpoints::new(&self.addresses, &Transport::Plain)?;
             }
             let task = tokio::spawn(follow_assignments(
                 group.clone(),
@@ -286,6 +313,19 @@ impl SimulatedFleet {
         let seen = self.first_seen_in_term.lock().expect("fleet lock poisoned");
         seen.range(term + 1..).map(|(_, at)| *at).min()
     }
+}
+
+/// TLS with a node certificate for `name`, issued under the cluster's CA.
+fn host_transport(cluster: &LocalCluster, name: &str) -> anyhow::Result<Transport> {
+    let dir = cluster.identity(
+        &format!("node-{name}"),
+        &proto::tls::pki::IssueRequest::new(CertRole::Node, name),
+    )?;
+    let ctx = proto::tls::TlsContext::load(
+        proto::tls::TlsFiles::in_dir(&dir),
+        proto::tls::ClientAuth::Required,
+    )?;
+    Ok(Transport::Tls(ctx))
 }
 
 /// What a simulated node agent of this inventory would send when it registers.
@@ -333,7 +373,7 @@ async fn heartbeat_loop(
             .into_iter()
             .map(|i| {
                 let (api, hosts, counters) = (api.clone(), hosts.clone(), counters.clone());
-                async move { heartbeat(&api, &hosts[i], &counters).await }
+                async move { heartbeat(hosts[i].api(&api), &hosts[i], &counters).await }
             })
             .collect();
         tokio::spawn(

@@ -24,15 +24,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use futures::{StreamExt, stream};
 use proto::v1 as pb;
-use proto::v1::control_plane_client::ControlPlaneClient;
 use serde_json::json;
 use tokio::sync::watch;
 
 use super::bench_hosts::{FleetOptions, SimulatedFleet};
 use super::output::table;
+use crate::client::Credentials;
 use crate::client::{Client, with_timeout};
 use crate::local_cluster::LocalCluster;
-use crate::raft::network::lazy_channel;
 
 const TENANT: &str = "bench";
 /// Fail rather than wait forever when placements stop progressing for this long.
@@ -88,7 +87,7 @@ pub async fn run(
             .into_iter()
             .filter(|e| *e != leader_addr),
     );
-    let mut client = Client::new(&endpoints)?;
+    let mut client = Client::new(&endpoints, &cluster.credentials()?)?;
     put_tenant(&mut client, 1).await?;
 
     let fleet_options = FleetOptions {
@@ -97,7 +96,7 @@ pub async fn run(
         prefix: "sim".into(),
         heartbeat: args.heartbeat,
     };
-    let mut fleet = SimulatedFleet::start(&endpoints, &fleet_options)
+    let mut fleet = SimulatedFleet::start(cluster, &fleet_options)
         .await
         .context("registering the simulated hosts")?;
     let gpus = fleet.total_gpus();
@@ -130,7 +129,12 @@ pub async fn run(
     );
 
     let (seen_tx, mut seen) = watch::channel(Seen::default());
-    let watcher = tokio::spawn(watch_jobs(endpoints[0].clone(), seen_tx));
+    let credentials = cluster.credentials()?;
+    let watcher = tokio::spawn(watch_jobs(
+        endpoints[0].clone(),
+        credentials.clone(),
+        seen_tx,
+    ));
     if finish {
         fleet.finish_jobs()?;
         // Every host follows its assignments before the release, so the window holds no
@@ -169,7 +173,7 @@ pub async fn run(
             load(&fleet.counters.report_errors),
             fleet.counters.refusals_summary(),
             load(&fleet.counters.heartbeat_errors),
-            replica_states(&endpoints).await,
+            replica_states(&endpoints, &credentials).await,
         )));
     }
 
@@ -319,19 +323,23 @@ fn load(counter: &std::sync::atomic::AtomicU64) -> u64 {
 }
 
 /// Each replica's role, term and applied index, for the message of a stalled run.
-async fn replica_states(endpoints: &[String]) -> String {
+async fn replica_states(endpoints: &[String], credentials: &Credentials) -> String {
     let mut states = Vec::new();
     for addr in endpoints {
-        let state = replica_state(addr).await.unwrap_or_else(|why| why);
+        let state = replica_state(addr, credentials)
+            .await
+            .unwrap_or_else(|why| why);
         states.push(format!("{addr}: {state}"));
     }
     states.join("; ")
 }
 
-async fn replica_state(addr: &str) -> Result<String, String> {
-    let channel = lazy_channel(addr).map_err(|e| format!("bad address ({e})"))?;
+async fn replica_state(addr: &str, credentials: &Credentials) -> Result<String, String> {
+    let mut client = credentials
+        .api_client(addr)
+        .map_err(|e| format!("bad address ({e})"))?;
     let request = with_timeout(pb::ClusterStatusRequest {}, Duration::from_secs(2));
-    let r = ControlPlaneClient::new(channel)
+    let r = client
         .cluster_status(request)
         .await
         .map_err(|s| format!("no answer ({})", s.message()))?
@@ -357,9 +365,12 @@ async fn replica_state(addr: &str) -> Result<String, String> {
 
 /// Follows every job of the benchmark's tenant on one replica and publishes what it has seen.
 /// A watch that falls behind is opened again with a fresh listing.
-async fn watch_jobs(addr: String, out: watch::Sender<Seen>) -> anyhow::Result<()> {
-    let channel = lazy_channel(&addr).with_context(|| format!("endpoint {addr:?}"))?;
-    let mut api = ControlPlaneClient::new(channel).max_decoding_message_size(64 * 1024 * 1024);
+async fn watch_jobs(
+    addr: String,
+    credentials: Credentials,
+    out: watch::Sender<Seen>,
+) -> anyhow::Result<()> {
+    let mut api = credentials.api_client(&addr)?;
     let mut known: HashSet<u64> = HashSet::new();
     let mut placed: HashSet<u64> = HashSet::new();
     let mut finished: HashSet<u64> = HashSet::new();

@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::client::ENDPOINTS_ENV;
+use crate::client::{ENDPOINTS_ENV, TLS_DIR_ENV};
 use crate::local_cluster::LocalCluster;
 
 #[derive(clap::Args)]
 pub struct DevArgs {
     /// Where replicas keep their data and logs (reused on the next run).
-    #[arg(long, default_value = "./dev-data")]
+    #[arg(long, default_value = super::DEV_DATA_DIR)]
     pub data_dir: PathBuf,
     /// Port of replica 1; replica i listens on BASE_PORT + i - 1.
     #[arg(long, default_value_t = 7001)]
@@ -28,6 +28,10 @@ pub struct DevArgs {
         value_delimiter = ','
     )]
     pub hosts: Vec<String>,
+    /// No TLS and no authentication (anyone who reaches the ports is an admin). By default
+    /// the cluster makes a CA and certificates under DATA_DIR/tls and requires them.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 pub fn run(args: DevArgs) -> anyhow::Result<()> {
@@ -53,6 +57,9 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
         }
     }
     let mut cluster = LocalCluster::new(&exe, &["replica"], &data_dir, "dev", &ports);
+    if args.insecure {
+        cluster.set_insecure();
+    }
     cluster.agent_program = Some((exe.clone(), vec!["agent".into()]));
     for (i, preset) in args.hosts.iter().filter(|h| !h.is_empty()).enumerate() {
         if node_agent::gpu::simulated::preset(preset).is_none() {
@@ -111,6 +118,26 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
             println!("  simulated GPU hosts: {} (see `gpuctl nodes`)", names.join(", "));
         }
         println!("  data/logs: {}", data_dir.display());
+        let default_dir = std::path::Path::new(super::DEV_DATA_DIR)
+            .canonicalize()
+            .ok();
+        if cluster.is_secure() {
+            let admin = cluster.admin_tls_dir()?;
+            println!(
+                "  security:  mutual TLS on every connection (CA and certificates in {}), tokens and roles enforced",
+                data_dir.join(crate::local_cluster::TLS_SUBDIR).display()
+            );
+            println!("  admin identity: {}", admin.display());
+            if default_dir.as_deref() != Some(data_dir.as_path()) {
+                println!(
+                    "  (gpuctl looks in {}/tls/admin by default; from elsewhere: export {TLS_DIR_ENV}={})",
+                    super::DEV_DATA_DIR,
+                    admin.display()
+                );
+            }
+        } else {
+            println!("  security:  OFF (--insecure): no TLS, no authentication; use gpuctl --insecure");
+        }
         println!();
         println!("In another terminal (gpuctl finds these replicas by default; elsewhere set {ENDPOINTS_ENV}):");
         println!("  gpuctl submit --gpus 2 --time 1:00:00 -- sh -c 'echo $CUDA_VISIBLE_DEVICES; sleep 30'");
@@ -118,6 +145,8 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
         println!("  gpuctl nodes");
         println!("  gpuctl logs 1");
         println!("  gpuctl cluster status");
+        println!("  gpuctl token create --role user --tenant default   # a token for a user of tenant default");
+        println!("  gpuctl audit");
         println!();
         println!("Ctrl-C stops the cluster.");
         loop {

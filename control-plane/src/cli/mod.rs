@@ -12,6 +12,8 @@ mod bench_placement;
 mod bench_scheduler;
 mod bench_slurm;
 mod bench_submit;
+mod bench_submit_closed;
+mod certs;
 mod dev;
 mod node;
 pub mod output;
@@ -19,6 +21,7 @@ pub mod parse;
 pub mod replay;
 mod simulate;
 mod submit;
+mod tokens;
 
 use std::time::Duration;
 
@@ -27,7 +30,10 @@ use clap::{Parser, Subcommand};
 use proto::v1 as pb;
 use serde_json::json;
 
-use crate::client::{Client, DEV_ENDPOINTS, ENDPOINTS_ENV, with_timeout};
+use crate::client::{
+    Client, Credentials, DEV_ENDPOINTS, ENDPOINTS_ENV, INSECURE_ENV, TLS_DIR_ENV, TOKEN_ENV,
+    with_timeout,
+};
 use crate::config::ReplicaArgs;
 use crate::replica::now_ms;
 use output::Format;
@@ -48,9 +54,23 @@ pub struct Cli {
     /// Give up after this many seconds of retrying across replicas.
     #[arg(long, global = true, default_value_t = 15)]
     pub timeout: u64,
+    /// Directory with ca.pem, cert.pem and key.pem (defaults to the admin identity `gpuctl
+    /// dev` writes, ./dev-data/tls/admin). With only ca.pem there, give a --token.
+    #[arg(long, global = true, env = TLS_DIR_ENV, value_name = "DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
+    /// API token (`gpuctl token create` prints one): acts with its role and tenant.
+    #[arg(long, global = true, env = TOKEN_ENV, value_name = "TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Talk plaintext, to a cluster run with --insecure.
+    #[arg(long, global = true, env = INSECURE_ENV)]
+    pub insecure: bool,
     #[command(subcommand)]
     pub command: Command,
 }
+
+/// Where `gpuctl dev` keeps its data unless told otherwise (and where gpuctl looks for its
+/// admin identity).
+pub const DEV_DATA_DIR: &str = "./dev-data";
 
 #[derive(Subcommand)]
 pub enum Command {
@@ -93,7 +113,8 @@ pub enum Command {
         #[command(subcommand)]
         command: NodeCommand,
     },
-    /// Print a job's output (stdout and stderr), fetched from the node that ran it.
+    /// Print a job's output (stdout and stderr), fetched through the control plane from the
+    /// node that ran it.
     Logs {
         job: u64,
         /// Only the last N bytes of each stream.
@@ -114,6 +135,20 @@ pub enum Command {
     Partition {
         #[command(subcommand)]
         command: PartitionCommand,
+    },
+    /// API tokens: create (printed once), list, revoke. Admin only.
+    Token {
+        #[command(subcommand)]
+        command: tokens::TokenCommand,
+    },
+    /// Who changed what, from where: the audit trail.
+    Audit(tokens::AuditArgs),
+    /// Who the control plane takes you for (principal, role, tenant).
+    Whoami,
+    /// Create the cluster CA and certificates for replicas, nodes and clients (offline).
+    Certs {
+        #[command(subcommand)]
+        command: certs::CertsCommand,
     },
     /// Run a local 3-replica control plane in the foreground (Ctrl-C stops it).
     Dev(dev::DevArgs),
@@ -246,6 +281,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench { command, keep_data } => return bench::run(command, keep_data, cli.output),
         Command::Simulate { command } => return simulate::run(command, cli.output),
+        Command::Certs { command } => return certs::run(command, cli.output),
         _ => {}
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -265,7 +301,8 @@ fn read(stale: bool) -> Option<pb::ReadOptions> {
 
 async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
     let endpoints = Client::parse_endpoints(&cli.endpoints);
-    let mut client = Client::new(&endpoints)?;
+    let credentials = Credentials::resolve(cli.insecure, cli.tls_dir.clone(), cli.token.clone())?;
+    let mut client = Client::new(&endpoints, &credentials)?;
     client.deadline = Duration::from_secs(cli.timeout);
     let fmt = cli.output;
     match cli.command {
@@ -366,11 +403,15 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Logs { job, tail } => node::logs(&mut client, job, tail).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,
+        Command::Token { command } => tokens::run(&mut client, command, fmt).await?,
+        Command::Audit(args) => tokens::audit(&mut client, args, fmt).await?,
+        Command::Whoami => tokens::whoami(&mut client, fmt).await?,
         Command::Dev(_)
         | Command::Replica(_)
         | Command::Agent(_)
         | Command::Bench { .. }
-        | Command::Simulate { .. } => {
+        | Command::Simulate { .. }
+        | Command::Certs { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }
@@ -441,7 +482,7 @@ async fn cluster_status_from_leader(
     if status.leader != 0
         && status.leader != status.id
         && let Some(m) = status.members.iter().find(|m| m.id == status.leader)
-        && let Ok(mut leader) = Client::new(std::slice::from_ref(&m.address))
+        && let Ok(mut leader) = Client::new(std::slice::from_ref(&m.address), &client.credentials)
     {
         leader.deadline = Duration::from_secs(2);
         if let Ok(s) = leader

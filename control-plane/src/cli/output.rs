@@ -115,6 +115,7 @@ pub fn job_json(j: &pb::Job) -> Value {
         "idempotency_key": j.idempotency_key,
         "submitted_at_ms": j.submitted_at_ms,
         "version": j.version,
+        "redacted": j.redacted,
         "history": j.history.iter().map(|h| json!({"at_ms": h.at_ms, "state": h.state, "reason": h.reason})).collect::<Vec<_>>(),
         "allocations": j.allocations.iter().map(|a| json!({
             "id": a.id, "node": a.node, "gpus": a.gpus, "term": a.term, "epoch": a.epoch, "created_at_ms": a.created_at_ms,
@@ -135,11 +136,13 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
                 .unwrap_or_default();
             vec![
                 j.id.to_string(),
-                spec.tenant,
-                if spec.name.is_empty() {
-                    spec.command.first().cloned().unwrap_or_default()
+                printable(&spec.tenant),
+                if j.redacted {
+                    "(hidden)".into()
+                } else if spec.name.is_empty() {
+                    printable(&spec.command.first().cloned().unwrap_or_default())
                 } else {
-                    spec.name
+                    printable(&spec.name)
                 },
                 j.state.to_uppercase(),
                 format!("{}x{}", spec.tasks, spec.gpus_per_task),
@@ -151,7 +154,7 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
                 format_duration(spec.time_limit_secs as u64),
                 age(j.submitted_at_ms, now_ms),
                 if nodes.is_empty() {
-                    reason
+                    printable(&reason)
                 } else {
                     nodes.join(",")
                 },
@@ -180,9 +183,17 @@ pub fn job_details(j: &pb::Job) -> String {
     let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
     kv("Job:", j.id.to_string());
     kv("State:", j.state.to_uppercase());
-    kv("Tenant:", spec.tenant.clone());
-    kv("Name:", spec.name.clone());
-    kv("Command:", spec.command.join(" "));
+    kv("Tenant:", printable(&spec.tenant));
+    if j.redacted {
+        kv(
+            "Name:",
+            "(withheld: another tenant's job; its name, command and environment are private)"
+                .into(),
+        );
+    } else {
+        kv("Name:", printable(&spec.name));
+        kv("Command:", printable(&spec.command.join(" ")));
+    }
     kv(
         "Resources:",
         format!(
@@ -240,7 +251,7 @@ pub fn job_details(j: &pb::Job) -> String {
             "  {}  {:<10} {}\n",
             format_time(h.at_ms),
             h.state.to_uppercase(),
-            h.reason
+            printable(&h.reason)
         ));
     }
     out
@@ -320,7 +331,27 @@ pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
             "id": m.id, "address": m.address, "role": m.role, "matched_index": m.matched_index,
             "leader": m.id == s.leader,
         })).collect::<Vec<_>>(),
+        "security_enforced": s.security_enforced,
+        "certificates": s.certificates.iter().map(|c| json!({
+            "subject": c.subject, "not_after_ms": c.not_after_ms,
+        })).collect::<Vec<_>>(),
+        "refusals": s.refusals.iter().map(|c| (c.name.clone(), json!(c.value))).collect::<serde_json::Map<_, _>>(),
     })
+}
+
+/// Lines warning about certificates that expire within a month (or have expired).
+pub fn certificate_warnings(s: &pb::ClusterStatusResponse, now_ms: u64) -> Vec<String> {
+    s.certificates
+        .iter()
+        .filter_map(|c| {
+            let what = if c.subject == "ca" {
+                "the cluster CA certificate".to_owned()
+            } else {
+                format!("certificate {}", c.subject)
+            };
+            proto::tls::expiry_warning(&what, c.not_after_ms, now_ms)
+        })
+        .collect()
 }
 
 pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
@@ -360,7 +391,129 @@ pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
         .collect();
     out.push_str(&table(&["ID", "ADDRESS", "ROLE", "MATCHED_INDEX"], &rows));
     out.push_str(&format!("\n{} jobs, {} nodes\n", s.jobs, s.nodes));
+    if !s.security_enforced {
+        out.push_str("\nSECURITY OFF: replica runs with --insecure (no TLS, no authentication)\n");
+    } else {
+        let refused: Vec<String> = s
+            .refusals
+            .iter()
+            .filter(|c| c.value > 0)
+            .map(|c| format!("{} {}", c.value, c.name))
+            .collect();
+        if !refused.is_empty() {
+            out.push_str(&format!(
+                "\nrefused by replica {}: {}\n",
+                s.id,
+                refused.join(", ")
+            ));
+        }
+    }
+    for w in certificate_warnings(s, crate::replica::now_ms()) {
+        out.push_str(&format!("WARNING: {w}\n"));
+    }
     out
+}
+
+/// A user-supplied string made safe for a terminal: control characters (escapes, newlines)
+/// are shown escaped, so a value can neither forge a table row nor drive the terminal.
+pub fn printable(s: &str) -> String {
+    if !s.chars().any(char::is_control) {
+        return s.to_owned();
+    }
+    s.chars()
+        .flat_map(|c| {
+            if c.is_control() {
+                c.escape_default().collect::<Vec<_>>()
+            } else {
+                vec![c]
+            }
+        })
+        .collect()
+}
+
+pub fn token_json(t: &pb::Token) -> Value {
+    json!({
+        "id": t.id, "role": t.role, "tenant": t.tenant, "description": t.description,
+        "created_at_ms": t.created_at_ms, "created_by": t.created_by,
+        "expires_at_ms": t.expires_at_ms, "revoked_at_ms": t.revoked_at_ms,
+        "revoked_by": t.revoked_by,
+    })
+}
+
+pub fn tokens_table(tokens: &[pb::Token], now_ms: u64) -> String {
+    let rows: Vec<Vec<String>> = tokens
+        .iter()
+        .map(|t| {
+            let state = if t.revoked_at_ms != 0 {
+                format!("revoked {}", format_time(t.revoked_at_ms))
+            } else if t.expires_at_ms != 0 && t.expires_at_ms <= now_ms {
+                "expired".into()
+            } else if t.expires_at_ms != 0 {
+                format!("expires {}", format_time(t.expires_at_ms))
+            } else {
+                "active".into()
+            };
+            vec![
+                t.id.clone(),
+                t.role.clone(),
+                if t.tenant.is_empty() {
+                    "-".into()
+                } else {
+                    printable(&t.tenant)
+                },
+                state,
+                format_time(t.created_at_ms),
+                printable(&t.created_by),
+                printable(&t.description),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ID",
+            "ROLE",
+            "TENANT",
+            "STATE",
+            "CREATED",
+            "BY",
+            "DESCRIPTION",
+        ],
+        &rows,
+    )
+}
+
+pub fn audit_json(a: &pb::AuditRecord) -> Value {
+    json!({
+        "seq": a.seq, "at_ms": a.at_ms, "principal": a.principal, "role": a.role,
+        "tenant": a.tenant, "from": a.from, "action": a.action, "target": a.target,
+        "job_id": if a.job_id == 0 { Value::Null } else { json!(a.job_id) },
+        "detail": a.detail,
+    })
+}
+
+pub fn audit_table(records: &[pb::AuditRecord]) -> String {
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|a| {
+            let who = if a.tenant.is_empty() {
+                format!("{} ({})", a.principal, a.role)
+            } else {
+                format!("{} ({}, {})", a.principal, a.role, a.tenant)
+            };
+            vec![
+                format_time(a.at_ms),
+                printable(&who),
+                printable(&a.from),
+                a.action.clone(),
+                printable(&a.target),
+                printable(&a.detail),
+            ]
+        })
+        .collect();
+    table(
+        &["TIME", "WHO", "FROM", "ACTION", "TARGET", "DETAIL"],
+        &rows,
+    )
 }
 
 #[cfg(test)]

@@ -36,15 +36,10 @@ pub struct SubmitArgs {
     pub time: Option<String>,
     #[arg(long, short = 'p')]
     pub partition: Option<String>,
-    /// Tenant (team or account) the job is charged to.
-    #[arg(
-        long,
-        short = 'A',
-        alias = "account",
-        env = "GPUCTL_TENANT",
-        default_value = "default"
-    )]
-    pub tenant: String,
+    /// Tenant (team or account) the job is charged to. Default: a user token's own tenant,
+    /// or `default`.
+    #[arg(long, short = 'A', alias = "account", env = "GPUCTL_TENANT")]
+    pub tenant: Option<String>,
     /// Job name (defaults to the program's name).
     #[arg(long, short = 'J', alias = "job-name")]
     pub name: Option<String>,
@@ -151,7 +146,7 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
     });
     Ok(pb::SubmitJobRequest {
         spec: Some(pb::JobSpec {
-            tenant: args.tenant,
+            tenant: args.tenant.unwrap_or_default(),
             name,
             command: args.command,
             gpus_per_task: args.gpus,

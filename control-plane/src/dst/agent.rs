@@ -20,12 +20,13 @@ use tokio::time::Instant;
 use tonic::{Code, Status};
 
 use super::check::Process;
-use super::cluster::{leader_hint, sim_request};
+use super::cluster::{leader_hint, sim_identity, sim_request_as};
 use super::net::Endpoint;
 use super::world::World;
 use crate::raft::NodeId;
 use crate::scheduler::score::SplitMix64;
 use crate::state::NodeSpec;
+use proto::tls::{CertRole, PeerIdentity};
 
 type AssignmentStream = Pin<Box<dyn Stream<Item = Result<pa::Assignments, Status>> + Send>>;
 
@@ -39,6 +40,8 @@ struct LocalProcess {
 
 struct Agent {
     world: Arc<World>,
+    /// The node certificate this host's agent would hold.
+    identity: Arc<PeerIdentity>,
     index: usize,
     me: Endpoint,
     spec: NodeSpec,
@@ -65,6 +68,7 @@ pub async fn run(world: Arc<World>, index: usize, spec: NodeSpec, seed: u64) {
         target: ids[index % ids.len()],
         world,
         index,
+        identity: sim_identity(CertRole::Node, &spec.name),
         spec,
         rng: SplitMix64::new(seed),
         incarnation: 1,
@@ -206,11 +210,14 @@ impl Agent {
         let request = register_request(&self.spec, self.incarnation_id());
         let sent = Instant::now();
         let timeout = self.call_timeout();
+        let identity = self.identity.clone();
         let result = self
             .world
             .cluster
             .call(self.me, self.target, timeout, |r| async move {
-                r.agent_api.register_node(sim_request(request)).await
+                r.agent_api
+                    .register_node(sim_request_as(&identity, request))
+                    .await
             })
             .await;
         match result {
@@ -242,11 +249,14 @@ impl Agent {
         let sent = Instant::now();
         let timeout = self.call_timeout();
         let interval = Duration::from_millis(self.world.params.agent_heartbeat_ms);
+        let identity = self.identity.clone();
         let result = self
             .world
             .cluster
             .call(self.me, self.target, timeout, |r| async move {
-                r.agent_api.heartbeat(sim_request(request)).await
+                r.agent_api
+                    .heartbeat(sim_request_as(&identity, request))
+                    .await
             })
             .await;
         match result {
@@ -282,11 +292,14 @@ impl Agent {
         let target = self.target;
         let timeout = self.call_timeout();
         let incarnation = self.world.cluster.running(target).map(|r| r.incarnation);
+        let identity = self.identity.clone();
         let result = self
             .world
             .cluster
             .call(self.me, target, timeout, |r| async move {
-                r.agent_api.watch_assignments(sim_request(request)).await
+                r.agent_api
+                    .watch_assignments(sim_request_as(&identity, request))
+                    .await
             })
             .await;
         match (result, incarnation) {
@@ -457,11 +470,14 @@ impl Agent {
             }
             let what = (report.allocation_id, report.event);
             let timeout = self.call_timeout();
+            let identity = self.identity.clone();
             let result = self
                 .world
                 .cluster
                 .call(self.me, self.target, timeout, |r| async move {
-                    r.agent_api.report_allocation(sim_request(report)).await
+                    r.agent_api
+                        .report_allocation(sim_request_as(&identity, report))
+                        .await
                 })
                 .await;
             if self.world.observer().trace.is_some() {

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use openraft::BasicNode;
+use proto::tls::{CertRole, ConnInfo, PeerIdentity};
 use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status};
 
@@ -60,13 +61,32 @@ pub struct SimCluster {
     slots: Mutex<BTreeMap<NodeId, Slot>>,
 }
 
-/// Metadata a simulated caller sets so that `api::route` answers "not the leader" instead of
+/// A simulated call from `identity`, as a TLS connection with that certificate would carry
+/// it. It is marked as forwarded so that `api::route` answers "not the leader" instead of
 /// forwarding over a real tonic channel; the caller retries elsewhere, as `gpuctl` does.
-pub fn sim_request<T>(message: T) -> Request<T> {
+pub fn sim_request_as<T>(identity: &Arc<PeerIdentity>, message: T) -> Request<T> {
     let mut req = Request::new(message);
     req.metadata_mut()
         .insert(FORWARDED, "sim".parse().expect("ASCII is valid metadata"));
+    req.extensions_mut().insert(ConnInfo {
+        remote: None,
+        peer: Some(identity.clone()),
+        tls: true,
+    });
     req
+}
+
+/// The certificate identity of a simulated process: an agent's node certificate, or a
+/// client's admin certificate.
+pub fn sim_identity(role: CertRole, name: &str) -> Arc<PeerIdentity> {
+    Arc::new(PeerIdentity {
+        role,
+        name: name.to_owned(),
+        client_role: (role == CertRole::Client).then(|| "admin".to_owned()),
+        tenant: None,
+        serial: "51".into(),
+        not_after_ms: u64::MAX,
+    })
 }
 
 impl SimCluster {
@@ -183,6 +203,10 @@ impl SimCluster {
                 origin: self.clock_origin,
                 skew_ms,
             },
+            // The simulation calls the services in process; callers carry the identities their
+            // certificates would give them (`sim_request_as`), and every check is enforced.
+            proto::transport::Transport::Plain,
+            Arc::new(crate::api::auth::Security::enforced_without_tls()),
         ));
         let liveness = Arc::new(Liveness::default());
         let leader_task = crate::leader::spawn(

@@ -96,6 +96,7 @@ impl Params {
             compaction_interval: Duration::from_millis(
                 crate::config::Defaults::COMPACTION_INTERVAL_MS,
             ),
+            audit_retention: crate::state::AuditRetention::default(),
         }
     }
 }

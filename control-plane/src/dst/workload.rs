@@ -12,7 +12,7 @@ use proto::v1 as pb;
 use proto::v1::control_plane_server::ControlPlane;
 use tonic::{Code, Status};
 
-use super::cluster::{leader_hint, sim_request};
+use super::cluster::{leader_hint, sim_request_as};
 use super::net::Endpoint;
 use super::world::World;
 use crate::api::convert::job_spec_to_proto;
@@ -161,9 +161,10 @@ pub async fn run_client(
             let world = world.clone();
             let ledger = ledger.clone();
             let start = target;
+            let tenant = s.spec.tenant.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(after)).await;
-                cancel(&world, me, start, id, &ledger).await;
+                cancel(&world, me, start, id, &tenant, &ledger).await;
             });
         }
     }
@@ -196,10 +197,13 @@ async fn submit(
             spec: Some(job_spec_to_proto(&s.spec)),
             idempotency_key: s.key.clone(),
         };
+        let identity = user_identity(&s.spec.tenant);
         let result = world
             .cluster
             .call(me, *target, timeout, |r| async move {
-                r.client_api.submit_job(sim_request(request)).await
+                r.client_api
+                    .submit_job(sim_request_as(&identity, request))
+                    .await
             })
             .await;
         match result {
@@ -222,11 +226,25 @@ async fn submit(
     None
 }
 
+/// A simulated client acts as a user of its submission's tenant (a client certificate with
+/// role user), so the tenant checks of submit and cancel run on every seed.
+fn user_identity(tenant: &str) -> std::sync::Arc<proto::tls::PeerIdentity> {
+    std::sync::Arc::new(proto::tls::PeerIdentity {
+        role: proto::tls::CertRole::Client,
+        name: format!("user-of-{tenant}"),
+        client_role: Some("user".into()),
+        tenant: Some(tenant.to_owned()),
+        serial: "52".into(),
+        not_after_ms: u64::MAX,
+    })
+}
+
 async fn cancel(
     world: &World,
     me: Endpoint,
     mut target: NodeId,
     id: JobId,
+    tenant: &str,
     ledger: &Mutex<Ledger>,
 ) {
     let timeout = Duration::from_millis(world.params.call_timeout_ms);
@@ -235,10 +253,13 @@ async fn cancel(
             id,
             reason: "cancelled by the simulated client".into(),
         };
+        let identity = user_identity(tenant);
         let result = world
             .cluster
             .call(me, target, timeout, |r| async move {
-                r.client_api.cancel_job(sim_request(request)).await
+                r.client_api
+                    .cancel_job(sim_request_as(&identity, request))
+                    .await
             })
             .await;
         match result {

@@ -46,6 +46,8 @@ pub struct LeaderConfig {
     pub retention: JobRetention,
     /// How often to check whether finished jobs are due for compaction.
     pub compaction_interval: Duration,
+    /// How long the audit trail keeps records (proposed in each `CompactAudit`).
+    pub audit_retention: crate::state::AuditRetention,
 }
 
 /// Watches Raft metrics and runs the leader loops while this replica leads.
@@ -164,19 +166,29 @@ async fn leader_loops(
     }
 }
 
-/// Proposes a `CompactJobs` with this leader's retention when finished jobs are due for it.
+/// Proposes a `CompactJobs` with this leader's retention when finished jobs are due for it,
+/// and a `CompactAudit` when the audit trail is.
 async fn compact_jobs(replica: &Replica, config: &LeaderConfig) -> Result<(), ApiError> {
-    let due = replica
-        .sm
-        .read()
-        .cluster
-        .compaction_due(&config.retention, replica.now_ms());
-    if due {
-        let command = Command::CompactJobs {
+    let (jobs_due, audit_due) = {
+        let data = replica.sm.read();
+        let now = replica.now_ms();
+        (
+            data.cluster.compaction_due(&config.retention, now),
+            data.cluster
+                .audit_compaction_due(&config.audit_retention, now),
+        )
+    };
+    let commands = [
+        jobs_due.then_some(Command::CompactJobs {
             retention: config.retention,
-        };
+        }),
+        audit_due.then_some(Command::CompactAudit {
+            retention: config.audit_retention,
+        }),
+    ];
+    for command in commands.into_iter().flatten() {
         if let Err(e) = replica.write(command).await {
-            tracing::warn!(?e, "compacting finished jobs failed");
+            tracing::warn!(?e, "compacting finished jobs or the audit trail failed");
             return Err(e);
         }
     }

@@ -17,6 +17,8 @@ use openraft::raft::{
 };
 use proto::raft::RaftMessage;
 use proto::raft::raft_peer_client::RaftPeerClient;
+use proto::tls::ExpectedPeer;
+use proto::transport::Transport;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
@@ -27,12 +29,15 @@ use super::{NodeId, TypeConfig};
 #[derive(Clone)]
 pub struct PeerNetwork {
     pub cluster: String,
+    /// TLS with this replica's certificate, expecting a replica's at the other end.
+    pub transport: Transport,
 }
 
 pub struct PeerClient {
     cluster: String,
     target: NodeId,
     addr: String,
+    transport: Transport,
     client: Option<RaftPeerClient<Channel>>,
 }
 
@@ -46,6 +51,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
             cluster: self.cluster.clone(),
             target,
             addr: node.addr.clone(),
+            transport: self.transport.clone(),
             client: None,
         }
     }
@@ -64,7 +70,10 @@ type RpcResult<T, E> = Result<T, RPCError<NodeId, BasicNode, RaftError<NodeId, E
 impl PeerClient {
     fn client(&mut self) -> Result<RaftPeerClient<Channel>, Unreachable> {
         if self.client.is_none() {
-            let channel = lazy_channel(&self.addr).map_err(|e| Unreachable::new(&e))?;
+            let channel = self
+                .transport
+                .channel(&self.addr, ExpectedPeer::Replica)
+                .map_err(|e| Unreachable::new(&e))?;
             self.client = Some(
                 RaftPeerClient::new(channel)
                     .max_decoding_message_size(256 * 1024 * 1024)

@@ -105,6 +105,29 @@ impl ClusterState {
                 "command",
                 "a batch cannot contain another batch",
             )),
+            Command::CreateToken { token } => self.create_token(token, at),
+            Command::RevokeToken { id, by } => self.revoke_token(id, by, at),
+            // Nothing to change: the audit record is the point.
+            Command::AuditNote { .. } => Outcome::Done,
+            Command::CompactAudit { retention } => self.compact_audit(retention, at),
+            Command::Attributed { actor, command } => match **command {
+                Command::Batch { .. } | Command::Attributed { .. } => Outcome::Rejected(
+                    Rejection::invalid("command", "an attributed command holds one plain command"),
+                ),
+                ref inner => {
+                    if let Some(node) = actor.node()
+                        && let Err(r) = self.check_node_acts_for(node, inner)
+                    {
+                        return Outcome::Rejected(r);
+                    }
+                    let target = self.audit_target(inner);
+                    let outcome = self.apply_one(inner, at, index, changed);
+                    if !matches!(outcome, Outcome::Rejected(_)) {
+                        self.record_audit(actor, inner, target, &outcome, at);
+                    }
+                    outcome
+                }
+            },
         };
         if !matches!(outcome, Outcome::Rejected(_)) {
             self.last_applied_at = self.last_applied_at.max(at);

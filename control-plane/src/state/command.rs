@@ -5,6 +5,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use super::access::TokenRecord;
+use super::audit::{Actor, AuditRetention};
 use super::types::{
     AllocationId, GpuHealth, JobId, JobRetention, JobSpec, NodeSpec, NodeStatus, Partition, Tenant,
     Timestamp,
@@ -123,6 +125,33 @@ pub enum Command {
     Batch {
         commands: Vec<Command>,
     },
+    /// An API token (only its secret's hash; see `access`).
+    CreateToken {
+        token: TokenRecord,
+    },
+    /// The token stops working on every replica once this applies.
+    RevokeToken {
+        id: String,
+        by: String,
+    },
+    /// A change the state machine does not make itself but the audit trail records
+    /// (membership changes, which openraft applies).
+    AuditNote {
+        action: String,
+        target: String,
+        detail: String,
+    },
+    /// Trim the audit trail to `retention` as of the entry's time, and keep `retention` for
+    /// the records that follow. Proposed periodically by the leader.
+    CompactAudit {
+        retention: AuditRetention,
+    },
+    /// `command`, made by `actor` through the API: applied as `command`, and recorded in the
+    /// audit trail when it changed the state. Holds neither a batch nor another `Attributed`.
+    Attributed {
+        actor: Actor,
+        command: Box<Command>,
+    },
 }
 
 impl Command {
@@ -140,7 +169,22 @@ impl Command {
         }
     }
 
-    /// Short name for spans and metrics.
+    /// `self`, made by `actor`.
+    pub fn by(self, actor: Actor) -> Command {
+        Command::Attributed {
+            actor,
+            command: Box::new(self),
+        }
+    }
+
+    /// The command itself, without its attribution.
+    pub fn unattributed(&self) -> &Command {
+        match self {
+            Command::Attributed { command, .. } => command,
+            other => other,
+        }
+    }
+
     /// Whether applying this command may take long enough (many milliseconds on a slow host)
     /// that it should not run on an async runtime worker: a plan or a batch of hundreds.
     pub fn is_heavy(&self) -> bool {
@@ -152,6 +196,7 @@ impl Command {
         }
     }
 
+    /// Short name for spans, metrics and the audit trail.
     pub fn kind(&self) -> &'static str {
         match self {
             Command::SubmitJob { .. } => "submit_job",
@@ -168,6 +213,11 @@ impl Command {
             Command::Preempt { .. } => "preempt",
             Command::CompactJobs { .. } => "compact_jobs",
             Command::Batch { .. } => "batch",
+            Command::CreateToken { .. } => "create_token",
+            Command::RevokeToken { .. } => "revoke_token",
+            Command::AuditNote { .. } => "audit_note",
+            Command::CompactAudit { .. } => "compact_audit",
+            Command::Attributed { command, .. } => command.kind(),
         }
     }
 }
@@ -231,6 +281,28 @@ impl fmt::Display for Command {
                     write!(f, " [{c}]")?;
                 }
                 Ok(())
+            }
+            Command::CreateToken { token } => write!(
+                f,
+                "create token={} role={} tenant={} expires_at={:?}",
+                token.id,
+                token.role.as_str(),
+                token.tenant.as_deref().unwrap_or("-"),
+                token.expires_at
+            ),
+            Command::RevokeToken { id, .. } => write!(f, "revoke token={id}"),
+            Command::AuditNote {
+                action,
+                target,
+                detail,
+            } => write!(f, "{action} {target}: {detail}"),
+            Command::CompactAudit { retention } => write!(
+                f,
+                "compact audit max_age_ms={} max_records={}",
+                retention.max_age_ms, retention.max_records
+            ),
+            Command::Attributed { actor, command } => {
+                write!(f, "{command} (by {} from {})", actor.principal, actor.from)
             }
         }
     }

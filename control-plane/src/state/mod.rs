@@ -3,9 +3,11 @@
 //! log reaches the same state. Every rule that protects an invariant (no GPU held twice, no job
 //! lost, idempotent submission) is enforced here, at apply time, whatever the proposer believed.
 
+pub mod access;
 mod apply;
 #[cfg(test)]
 mod apply_tests;
+pub mod audit;
 pub mod command;
 pub mod cow_map;
 pub mod free;
@@ -19,7 +21,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+pub use access::{ApiRole, TokenRecord};
 pub use apply::{priority_rank, share_memory_for, share_memory_mib};
+pub use audit::{Actor, AuditRecord, AuditRetention};
 pub use command::{
     Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
 };
@@ -64,6 +68,17 @@ pub struct ClusterState {
     /// neither (its id is still at most `last_job_id`, so "never existed" stays answerable).
     #[serde(default)]
     pub archived: CowMap<JobId, ArchivedJob>,
+    /// API tokens by id (hashes only; see `access`).
+    #[serde(default)]
+    pub tokens: BTreeMap<String, TokenRecord>,
+    /// The audit trail by sequence number, oldest first (see `audit`).
+    #[serde(default)]
+    pub audit: CowMap<u64, AuditRecord>,
+    #[serde(default)]
+    pub last_audit_seq: u64,
+    /// The audit trail's limits, as last proposed by a leader.
+    #[serde(default)]
+    pub audit_retention: AuditRetention,
     /// Derived indexes, rebuilt from the data above after a snapshot is loaded
     /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
     #[serde(skip)]
@@ -157,6 +172,10 @@ impl ClusterState {
             last_applied_at: self.last_applied_at,
             tenant_usage: self.tenant_usage.clone(),
             archived: self.archived.clone(),
+            tokens: self.tokens.clone(),
+            audit: self.audit.clone(),
+            last_audit_seq: self.last_audit_seq,
+            audit_retention: self.audit_retention,
             index: Indexes::default(),
             cascaded: Vec::new(),
         }

@@ -62,6 +62,57 @@ pub struct AgentArgs {
     /// must be shorter than the control plane's node grace.
     #[arg(long, default_value_t = 2000)]
     pub fence_grace_ms: u64,
+    /// Directory with this node's TLS identity: ca.pem, cert.pem, key.pem (and crl.pem), as
+    /// `gpuctl certs issue node --name NODE` writes it. The certificate names the node: the
+    /// control plane takes registrations, heartbeats and reports for that node only.
+    #[arg(long, value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// CA bundle (overrides the one in --tls-dir).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Certificate (overrides the one in --tls-dir).
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (overrides the one in --tls-dir).
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Talk to the control plane and serve without TLS (the control plane must run with
+    /// --insecure too). For benchmarks and throwaway test networks only.
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+/// The agent's transport and the node name its certificate gives.
+fn load_transport(
+    args: &AgentArgs,
+) -> anyhow::Result<(proto::transport::Transport, Option<String>)> {
+    use proto::tls::{CertRole, ClientAuth, TlsContext, TlsPaths};
+    let paths = TlsPaths {
+        dir: args.tls_dir.clone(),
+        ca: args.tls_ca.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+    };
+    match (args.insecure, paths.files()?) {
+        (true, Some(_)) => bail!("give either --insecure or TLS files (--tls-dir), not both"),
+        (true, None) => Ok((proto::transport::Transport::Plain, None)),
+        (false, None) => bail!(
+            "no TLS identity: give --tls-dir DIR with ca.pem, cert.pem and key.pem (`gpuctl certs issue node --name NODE` makes them), or --insecure"
+        ),
+        (false, Some(files)) => {
+            // Only replicas call an agent, and they always present a certificate.
+            let ctx = TlsContext::load(files, ClientAuth::Required).context("loading TLS files")?;
+            let id = ctx
+                .identity()
+                .context("an agent needs a certificate and key (--tls-cert, --tls-key)")?;
+            if id.role != CertRole::Node {
+                bail!(
+                    "the agent's certificate is the {id}; it needs a node certificate (`gpuctl certs issue node --name NODE`)"
+                );
+            }
+            Ok((proto::transport::Transport::Tls(ctx), Some(id.name)))
+        }
+    }
 }
 
 pub struct Built {
@@ -78,7 +129,14 @@ fn host_name() -> String {
 
 impl AgentArgs {
     pub fn build(self, shim_program: PathBuf, shim_args: Vec<String>) -> anyhow::Result<Built> {
-        let name = self.name.unwrap_or_else(host_name);
+        let (transport, cert_name) = load_transport(&self)?;
+        let name = match (self.name.clone(), cert_name) {
+            (Some(flag), Some(cert)) if flag != cert => bail!(
+                "--name {flag:?} does not match the node certificate, which is for {cert:?}: the control plane accepts this agent as {cert:?} only"
+            ),
+            (Some(n), _) | (None, Some(n)) => n,
+            (None, None) => host_name(),
+        };
         let mut labels = BTreeMap::new();
         for kv in &self.labels {
             let (k, v) = kv
@@ -161,6 +219,7 @@ impl AgentArgs {
                 shim_args,
                 stop_grace: Duration::from_secs(self.stop_grace_secs),
                 fence_grace: Duration::from_millis(self.fence_grace_ms),
+                transport,
             },
             backend,
             simulated,
@@ -213,7 +272,11 @@ mod tests {
     }
 
     fn build(args: &[&str]) -> anyhow::Result<Built> {
-        let cli = Cli::try_parse_from(std::iter::once("node-agent").chain(args.iter().copied()))?;
+        let cli = Cli::try_parse_from(
+            ["node-agent", "--insecure"]
+                .into_iter()
+                .chain(args.iter().copied()),
+        )?;
         cli.agent.build("/bin/true".into(), Vec::new())
     }
 

@@ -15,19 +15,24 @@ pub struct ControlPlane {
     preferred: usize,
 }
 
+use proto::tls::ExpectedPeer;
+use proto::transport::Transport;
 pub use proto::transport::{lazy_channel, retryable};
 
 impl ControlPlane {
-    pub fn new(endpoints: &[String]) -> anyhow::Result<ControlPlane> {
+    pub fn new(endpoints: &[String], transport: &Transport) -> anyhow::Result<ControlPlane> {
         if endpoints.is_empty() {
             anyhow::bail!("no control-plane endpoints given (--control-plane HOST:PORT,...)");
         }
         let clients = endpoints
             .iter()
             .map(|e| {
-                lazy_channel(e).map(AgentApiClient::new).map_err(|err| {
-                    anyhow::anyhow!("control-plane endpoint {e:?} is not HOST:PORT: {err}")
-                })
+                transport
+                    .channel(e, ExpectedPeer::Replica)
+                    .map(AgentApiClient::new)
+                    .map_err(|err| {
+                        anyhow::anyhow!("control-plane endpoint {e:?} is not HOST:PORT: {err}")
+                    })
             })
             .collect::<anyhow::Result<_>>()?;
         Ok(ControlPlane {

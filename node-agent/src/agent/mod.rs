@@ -60,9 +60,13 @@ pub struct AgentConfig {
     /// SIGTERM → SIGKILL grace when fencing (lease expired); below the control plane's node
     /// grace, which registration checks.
     pub fence_grace: Duration,
+    /// TLS with the node's certificate (or plaintext with --insecure), both ways.
+    pub transport: proto::transport::Transport,
 }
 
 const TICK: Duration = Duration::from_millis(100);
+/// How often the agent looks at its TLS files for a change (SIGHUP rereads at once).
+const TLS_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A report waiting to be acknowledged by the control plane. One ordered queue for both
@@ -580,13 +584,17 @@ pub async fn run(
         simulated,
         config,
     });
-    let control = ControlPlane::new(&agent.config.control_plane)?;
+    let transport = agent.config.transport.clone();
+    let control = ControlPlane::new(&agent.config.control_plane, &transport)?;
+    let reloader = transport
+        .tls()
+        .map(|t| t.spawn_reloader(TLS_RELOAD_INTERVAL));
 
     let server = tonic::transport::Server::builder()
         .add_service(proto::agent::node_agent_server::NodeAgentServer::new(
             service::NodeAgentService::new(agent.clone()),
         ))
-        .serve_with_incoming_shutdown(proto::transport::incoming(listener), shutdown);
+        .serve_with_incoming_shutdown(transport.incoming(listener), shutdown);
 
     let tasks = vec![
         tokio::spawn(session_loop(agent.clone(), control.clone())),
@@ -596,7 +604,7 @@ pub async fn run(
         tokio::spawn(gpu_event_loop(agent.clone(), backend)),
     ];
     let served = server.await;
-    for t in tasks {
+    for t in tasks.into_iter().chain(reloader) {
         t.abort();
     }
     save_job_index(&agent.config.state_dir, &agent.lock().job_allocations);

@@ -22,6 +22,33 @@ impl NodeAgentService {
     pub fn new(agent: Arc<Agent>) -> Self {
         NodeAgentService { agent }
     }
+
+    /// Only replicas call an agent (gpuctl reaches logs and fault injection through the
+    /// control plane, which checks the caller first). The TLS layer already required a
+    /// certificate of the cluster's CA; this checks its role.
+    fn require_replica<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        if self.agent.config.transport.tls().is_none() {
+            return Ok(());
+        }
+        let info = request.extensions().get::<proto::tls::ConnInfo>();
+        match info.and_then(|i| i.peer.as_deref()) {
+            Some(p) if p.role == proto::tls::CertRole::Replica => Ok(()),
+            other => {
+                let who = other.map_or_else(
+                    || "a caller without a certificate".to_owned(),
+                    |p| p.to_string(),
+                );
+                tracing::warn!(
+                    remote = ?info.and_then(|i| i.remote),
+                    "refused a call from {who}: the agent takes calls from replicas only"
+                );
+                Err(Status::permission_denied(format!(
+                    "node {}'s agent takes calls from control-plane replicas only, not from {who}; use gpuctl, which goes through the control plane",
+                    self.agent.config.name
+                )))
+            }
+        }
+    }
 }
 
 fn tail(path: &std::path::Path, bytes: u64) -> Result<Vec<u8>, Status> {
@@ -50,6 +77,7 @@ impl NodeAgent for NodeAgentService {
         &self,
         request: Request<pa::ReadLogsRequest>,
     ) -> Result<Response<pa::ReadLogsResponse>, Status> {
+        self.require_replica(&request)?;
         let req = request.into_inner();
         let (allocation, paths) = {
             let st = self.agent.lock();
@@ -72,6 +100,7 @@ impl NodeAgent for NodeAgentService {
         &self,
         request: Request<pa::InjectFaultRequest>,
     ) -> Result<Response<pa::InjectFaultResponse>, Status> {
+        self.require_replica(&request)?;
         let Some(sim) = &self.agent.simulated else {
             return Err(Status::failed_precondition(format!(
                 "node {} runs real GPUs; faults can only be injected on simulated hosts",

@@ -228,7 +228,20 @@ impl Client {
                         self.preferred = i;
                         return Ok(resp.into_inner());
                     }
-                    Ok(Err(status)) if retryable(&status) => last = Some(status),
+                    Ok(Err(status))
+                        if self.credentials.transport.tls().is_none()
+                            && status.code() == tonic::Code::Internal
+                            && status.message().starts_with("h2 protocol error") =>
+                    {
+                        // A TLS server answering a plaintext HTTP/2 preface with TLS records.
+                        last = Some(Status::unavailable(format!(
+                            "{} does not speak plaintext: it runs with TLS (drop --insecure and give --tls-dir)",
+                            self.endpoints[i]
+                        )));
+                    }
+                    Ok(Err(status)) if retryable(&status) => {
+                        last = Some(Status::new(status.code(), with_causes(&status)))
+                    }
                     Ok(Err(status)) => {
                         self.preferred = i;
                         return Err(status);
@@ -259,6 +272,23 @@ impl Client {
 }
 
 pub use proto::transport::retryable;
+
+/// A status's message with the errors beneath it: a failed connection says only "transport
+/// error" at the top, and why (refused, a certificate the server rejected) below.
+fn with_causes(status: &Status) -> String {
+    use std::error::Error;
+    let mut message = status.message().to_owned();
+    let mut cause = status.source();
+    while let Some(e) = cause {
+        let text = e.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        cause = e.source();
+    }
+    message
+}
 
 /// Sets a per-attempt timeout on a request.
 pub fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {

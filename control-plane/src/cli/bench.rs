@@ -377,7 +377,8 @@ fn side_by_side(reports: &[(Security, Report)]) -> (String, serde_json::Value) {
     }
     // The figures a reader compares: committed writes per second (closed loop), p99 latency
     // (open loop), failover to first placement.
-    let figures: [(&str, fn(&serde_json::Value) -> Vec<(String, f64)>); 3] = [
+    type Extract = fn(&serde_json::Value) -> Vec<(String, f64)>;
+    let figures: [(&str, Extract); 3] = [
         ("committed/s", |j| {
             j["closed_loop"]["runs"]
                 .as_array()

@@ -145,10 +145,7 @@ pub async fn audit(client: &mut Client, args: AuditArgs, fmt: Format) -> anyhow:
         read: None,
     };
     let resp = client
-        .call(|mut c, t| {
-            let req = req.clone();
-            async move { c.list_audit(with_timeout(req, t)).await }
-        })
+        .call(|mut c, t| async move { c.list_audit(with_timeout(req, t)).await })
         .await?;
     match fmt {
         Format::Json => println!(

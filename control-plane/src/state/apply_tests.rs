@@ -1493,6 +1493,8 @@ fn undrain_does_not_revive_a_node_that_is_down() {
 
 /// Compaction of finished jobs (`retention.rs`), with the fixtures above.
 mod retention_tests;
+/// Tokens, the audit trail and commands attributed to agents (`access.rs`, `audit.rs`).
+mod security_tests;
 
 // ---------------------------------------------------------------------------------------------
 // Batches (group commit)

@@ -320,7 +320,8 @@ impl IdentityFiles {
 /// Parses a certificate serial as `gpuctl certs show` prints it (hex, colons allowed).
 fn parse_serial(s: &str) -> Result<Vec<u8>, PkiError> {
     let hex: String = s.chars().filter(|c| *c != ':').collect();
-    if hex.is_empty() || hex.len() % 2 != 0 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+    if hex.is_empty() || !hex.len().is_multiple_of(2) || !hex.chars().all(|c| c.is_ascii_hexdigit())
+    {
         return Err(PkiError::Invalid(format!(
             "serial {s:?} is not hex (copy it from `gpuctl certs show`)"
         )));

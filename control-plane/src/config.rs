@@ -525,6 +525,55 @@ mod tests {
     }
 
     #[test]
+    fn the_example_configuration_loads_and_asks_for_tls() {
+        let example =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/control-plane.example.toml");
+        let c = ReplicaArgs {
+            config: Some(example),
+            ..Default::default()
+        }
+        .resolve()
+        .expect("the example configuration is valid");
+        assert_eq!(c.cluster, "prod-gpu");
+        match c.security {
+            TransportSecurity::Tls {
+                files,
+                client_cert_optional,
+            } => {
+                assert_eq!(files.ca, Path::new("/etc/gpu-control-plane/tls/ca.pem"));
+                assert!(!client_cert_optional);
+            }
+            TransportSecurity::Insecure => panic!("the example runs with TLS"),
+        }
+        assert_eq!(c.leader.audit_retention.max_records, 200_000);
+    }
+
+    #[test]
+    fn a_replica_without_tls_files_or_insecure_refuses_to_start_saying_how_to_fix_it() {
+        let err = ReplicaArgs {
+            id: Some(3),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("--tls-dir") && err.contains("replica-3") && err.contains("--insecure"),
+            "{err}"
+        );
+        let err = ReplicaArgs {
+            id: Some(1),
+            insecure: true,
+            tls_dir: Some("/x".into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("not both"), "{err}");
+    }
+
+    #[test]
     fn unknown_keys_in_the_file_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("r.toml");

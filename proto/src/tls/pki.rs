@@ -309,9 +309,21 @@ impl CaFiles {
 impl IdentityFiles {
     /// Writes `ca.pem`, `cert.pem` and `key.pem`; the key last but one and the certificate
     /// last, so a process reloading on change sees a matching pair once `cert.pem` changes.
+    ///
+    /// A `ca.pem` already there is kept, with the issuing CA added if it is not in it yet:
+    /// during a CA rotation a process trusts the old and the new CA while its own certificate
+    /// is replaced (docs/SECURITY.md, "Rotating the CA").
     pub fn write(&self, dir: &Path) -> Result<(), PkiError> {
         std::fs::create_dir_all(dir).map_err(io_error(dir))?;
-        write_public(&dir.join(CA_CERT_FILE), &self.ca_pem)?;
+        let ca_path = dir.join(CA_CERT_FILE);
+        let bundle = match std::fs::read_to_string(&ca_path) {
+            Ok(existing) if existing.contains(self.ca_pem.trim()) => None,
+            Ok(existing) => Some(format!("{}\n{}", existing.trim_end(), self.ca_pem)),
+            Err(_) => Some(self.ca_pem.clone()),
+        };
+        if let Some(bundle) = bundle {
+            write_public(&ca_path, &bundle)?;
+        }
         write_private(&dir.join(KEY_FILE), &self.key_pem)?;
         write_public(&dir.join(CERT_FILE), &self.cert_pem)
     }

@@ -390,3 +390,74 @@ fn missing_or_mismatched_files_name_the_file() {
         .to_string();
     assert!(err.contains("usable pair"), "{err}");
 }
+
+#[tokio::test]
+async fn a_ca_rotation_keeps_old_and_new_certificates_talking_while_both_are_trusted() {
+    let old = Pki::new();
+    let new_ca = pki::create_ca("test-2", 30).unwrap();
+    // Step 1: the server's certificate comes from the new CA; `write` adds the new CA to the
+    // bundle already in its directory (the old one).
+    let server_dir = old.dir.path().join("r");
+    old.identity("r", IssueRequest::new(CertRole::Replica, "replica-1"));
+    pki::issue(&new_ca, &IssueRequest::new(CertRole::Replica, "replica-1"))
+        .unwrap()
+        .write(&server_dir)
+        .unwrap();
+    let bundle = std::fs::read_to_string(server_dir.join(pki::CA_CERT_FILE)).unwrap();
+    assert_eq!(bundle.matches("BEGIN CERTIFICATE").count(), 2, "{bundle}");
+    let server = ctx(TlsFiles::in_dir(&server_dir), ClientAuth::Required);
+    let addr = serve(Transport::Tls(server)).await;
+    // A client still on the old CA, which trusts both: it reaches the new-CA server, and the
+    // server takes its old-CA certificate.
+    let client_dir = old.dir.path().join("c");
+    old.identity("c", IssueRequest::client("alice", "admin", None));
+    let mut both = std::fs::read_to_string(client_dir.join(pki::CA_CERT_FILE)).unwrap();
+    both.push_str(&new_ca.cert_pem);
+    std::fs::write(client_dir.join(pki::CA_CERT_FILE), both).unwrap();
+    let t = Transport::Tls(ctx(TlsFiles::in_dir(&client_dir), ClientAuth::Required));
+    assert_eq!(
+        call(&t, &addr, ExpectedPeer::Replica).await.unwrap(),
+        "client:alice"
+    );
+    // A client that trusts the old CA only is refused by... itself: it cannot verify the
+    // server. That is the step the bundle exists for.
+    let lone = old.identity("l", IssueRequest::client("bob", "admin", None));
+    let t = Transport::Tls(ctx(lone, ClientAuth::Required));
+    assert!(call(&t, &addr, ExpectedPeer::Replica).await.is_err());
+}
+
+#[tokio::test]
+async fn a_revoked_certificate_is_refused_once_the_crl_is_in_place() {
+    let pki = Pki::new();
+    let ca_dir = pki.dir.path().join("ca");
+    pki.ca.write(&ca_dir).unwrap();
+    let server = ctx(
+        pki.identity("r", IssueRequest::new(CertRole::Replica, "replica-1")),
+        ClientAuth::Required,
+    );
+    let addr = serve(Transport::Tls(server.clone())).await;
+    let files = pki.identity("c", IssueRequest::client("stolen", "admin", None));
+    let client = ctx(files, ClientAuth::Required);
+    let t = Transport::Tls(client.clone());
+    assert_eq!(
+        call(&t, &addr, ExpectedPeer::Replica).await.unwrap(),
+        "client:stolen"
+    );
+    let serial = client.identity().unwrap().serial;
+    let crl = pki::revoke(&ca_dir, &serial, 30).unwrap();
+    std::fs::copy(&crl, pki.dir.path().join("r").join(CRL_FILE)).unwrap();
+    assert!(server.reload_if_changed().unwrap(), "the CRL is picked up");
+    let err = call(&t, &addr, ExpectedPeer::Replica).await.unwrap_err();
+    assert!(!err.is_empty());
+    // Another certificate of the same CA still works.
+    let other = ctx(
+        pki.identity("d", IssueRequest::client("fine", "admin", None)),
+        ClientAuth::Required,
+    );
+    assert_eq!(
+        call(&Transport::Tls(other), &addr, ExpectedPeer::Replica)
+            .await
+            .unwrap(),
+        "client:fine"
+    );
+}

@@ -219,6 +219,9 @@ impl Client {
         // hundred milliseconds, and a coarse backoff would add its own delay on top.
         let mut backoff = Duration::from_millis(5);
         let mut last: Option<Status> = None;
+        // Sticky: a plaintext attempt that met a TLS server explains every later failure
+        // (broken pipes, resets) better than whichever error happened to come last.
+        let mut speaks_tls: Option<String> = None;
         loop {
             for k in 0..self.clients.len() {
                 let i = (self.preferred + k) % self.clients.len();
@@ -234,10 +237,10 @@ impl Client {
                             && status.message().starts_with("h2 protocol error") =>
                     {
                         // A TLS server answering a plaintext HTTP/2 preface with TLS records.
-                        last = Some(Status::unavailable(format!(
+                        speaks_tls = Some(format!(
                             "{} does not speak plaintext: it runs with TLS (drop --insecure and give --tls-dir)",
                             self.endpoints[i]
-                        )));
+                        ));
                     }
                     Ok(Err(status)) if retryable(&status) => {
                         last = Some(Status::new(status.code(), with_causes(&status)))
@@ -258,7 +261,9 @@ impl Client {
                 }
             }
             if start.elapsed() >= self.deadline {
-                let last = last.map(|s| s.message().to_owned()).unwrap_or_default();
+                let last = speaks_tls
+                    .or_else(|| last.map(|s| s.message().to_owned()))
+                    .unwrap_or_default();
                 return Err(Status::unavailable(format!(
                     "no replica of [{}] could serve the request within {:?}; last error: {last}",
                     self.endpoints.join(", "),

@@ -281,4 +281,162 @@ mod tests {
         let err = DataDir::open(dir.path(), "c", 1).err().unwrap();
         assert!(matches!(err, DataDirError::Foreign { .. }), "{err}");
     }
+
+    /// Every file under `dir` with its bytes.
+    fn files(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+        let mut out = std::collections::BTreeMap::new();
+        let mut todo = vec![dir.to_owned()];
+        while let Some(d) = todo.pop() {
+            for e in fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    todo.push(p);
+                } else {
+                    out.insert(p.clone(), fs::read(&p).unwrap());
+                }
+            }
+        }
+        out
+    }
+
+    /// A directory that has been used: an identity record and some data, flushed.
+    fn used_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let d = DataDir::open(dir.path(), "c", 1).unwrap();
+        for i in 0..200u32 {
+            d.db.insert(i.to_be_bytes(), vec![7u8; 100]).unwrap();
+        }
+        d.db.flush().unwrap();
+        drop(d);
+        dir
+    }
+
+    /// The files that differ between two listings.
+    fn changed(
+        before: &std::collections::BTreeMap<PathBuf, Vec<u8>>,
+        after: &std::collections::BTreeMap<PathBuf, Vec<u8>>,
+    ) -> Vec<String> {
+        let mut names: Vec<String> = after
+            .iter()
+            .filter(|(p, b)| before.get(*p) != Some(*b))
+            .chain(before.iter().filter(|(p, _)| !after.contains_key(*p)))
+            .map(|(p, _)| p.display().to_string())
+            .collect();
+        names.dedup();
+        names
+    }
+
+    #[test]
+    fn torn_metadata_and_a_damaged_database_are_refused_and_left_as_they_were() {
+        type Damage = fn(&Path);
+        // (what, damage, what the message says, whether the directory is left as it was:
+        // damage found before sled opens the database is; sled itself recovers a damaged log
+        // on open by rewriting it, before it reports the damage.)
+        let cases: [(&str, Damage, &str, bool); 5] = [
+            (
+                "cluster.json cut in half (a torn write)",
+                |d| {
+                    let p = d.join(META_FILE);
+                    let b = fs::read(&p).unwrap();
+                    fs::write(&p, &b[..b.len() / 2]).unwrap();
+                },
+                "cluster.json does not parse: EOF while parsing",
+                true,
+            ),
+            (
+                "cluster.json empty",
+                |d| fs::write(d.join(META_FILE), b"").unwrap(),
+                "cluster.json does not parse: EOF while parsing a value",
+                true,
+            ),
+            (
+                "cluster.json with a flipped bit",
+                |d| {
+                    let p = d.join(META_FILE);
+                    let mut b = fs::read(&p).unwrap();
+                    b[0] ^= 0x01;
+                    fs::write(&p, b).unwrap();
+                },
+                "cluster.json does not parse",
+                true,
+            ),
+            (
+                "sled's conf garbage",
+                |d| fs::write(d.join(RAFT_DIR).join("conf"), b"\xff\xfe garbage").unwrap(),
+                "the sled database does not open",
+                true,
+            ),
+            (
+                "sled's database cut to 10 bytes",
+                |d| {
+                    let p = d.join(RAFT_DIR).join("db");
+                    let b = fs::read(&p).unwrap();
+                    fs::write(&p, &b[..10]).unwrap();
+                },
+                "the Raft database has lost its identity record",
+                false,
+            ),
+        ];
+        for (what, damage, want, untouched) in cases {
+            let dir = used_dir();
+            damage(dir.path());
+            let before = files(dir.path());
+            let err = DataDir::open(dir.path(), "c", 1).err().expect(what);
+            assert!(matches!(err, DataDirError::Corrupt { .. }), "{what}: {err}");
+            let text = err.to_string();
+            assert!(
+                text.contains("is corrupt") && text.contains(want),
+                "{what}: {text}"
+            );
+            assert!(text.contains("restore it from a backup"), "{what}: {text}");
+            let changed = changed(&before, &files(dir.path()));
+            if untouched {
+                assert!(changed.is_empty(), "{what}: rewritten: {changed:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn damage_at_the_start_of_the_database_is_refused() {
+        // The identity record is the first thing written: a flipped bit before it makes sled
+        // drop it (and everything after), which the identity check reports.
+        for offset in [0usize, 8, 100] {
+            let dir = used_dir();
+            let p = dir.path().join(RAFT_DIR).join("db");
+            let mut b = fs::read(&p).unwrap();
+            b[offset] ^= 0x10;
+            fs::write(&p, b).unwrap();
+            let err = DataDir::open(dir.path(), "c", 1).err().expect("refused");
+            assert!(
+                err.to_string().contains("lost its identity record"),
+                "flip at {offset}: {err}"
+            );
+        }
+    }
+
+    /// FAILS TODAY (kept to show the gap): sled treats a record whose checksum does not match
+    /// as the torn end of its log and silently drops it and everything written after it, so a
+    /// replica starts with committed entries (and possibly its vote) gone; and it rewrites the
+    /// file while doing so. Needs a check of sled's log before sled opens it, or a high-water
+    /// mark kept outside sled. docs/SECURITY.md, "Hostile input".
+    #[test]
+    #[ignore = "sled silently drops data after a damaged record; see docs/SECURITY.md, Hostile input"]
+    fn a_flipped_bit_in_the_middle_of_the_database_is_refused() {
+        let dir = used_dir();
+        let p = dir.path().join(RAFT_DIR).join("db");
+        let mut b = fs::read(&p).unwrap();
+        let middle = b.len() / 2;
+        b[middle] ^= 0x10;
+        fs::write(&p, b).unwrap();
+        let before = files(dir.path());
+        match DataDir::open(dir.path(), "c", 1) {
+            Err(e) => assert!(matches!(e, DataDirError::Corrupt { .. }), "{e}"),
+            Ok(d) => panic!(
+                "opened with {} of 201 records (the rest silently dropped)",
+                d.db.len()
+            ),
+        }
+        let changed = changed(&before, &files(dir.path()));
+        assert!(changed.is_empty(), "rewritten: {changed:?}");
+    }
 }

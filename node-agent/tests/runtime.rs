@@ -777,13 +777,25 @@ fn the_agent_on_a_host_without_a_driver_names_the_missing_library() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let output = Command::new(SHIM)
-        .args(["--name", "n1", "--state-dir"])
+        .args(["--name", "n1", "--insecure", "--state-dir"])
         .arg(dir.path())
         .output()
         .expect("run");
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("libnvidia-ml.so.1"), "{stderr}");
+    // Without TLS files or --insecure, the agent says what to give first.
+    let output = Command::new(SHIM)
+        .args(["--name", "n1", "--state-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--tls-dir") && stderr.contains("gpuctl certs issue node"),
+        "{stderr}"
+    );
 }
 
 /// Names in a directory, sorted; empty if it does not exist.

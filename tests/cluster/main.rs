@@ -6,6 +6,7 @@ mod agents;
 mod bad_input;
 mod basic;
 mod failover;
+mod hostile_input;
 mod membership;
 mod security;
 mod telemetry;

@@ -163,7 +163,7 @@ impl AgentApi for AgentService {
                 caller.require_node(&req.name)?;
                 require_live_leader(r, config)?;
                 let node_grace = config.node_grace.as_millis() as u64;
-                if req.fence_grace_ms + FENCE_MARGIN_MS > node_grace {
+                if req.fence_grace_ms.saturating_add(FENCE_MARGIN_MS) > node_grace {
                     return Err(Rejection::precondition(format!(
                         "the agent's fence grace ({} ms) must be at least {FENCE_MARGIN_MS} ms shorter than the control plane's node grace ({node_grace} ms): a fenced job could still be running when it is placed elsewhere",
                         req.fence_grace_ms

@@ -23,6 +23,7 @@ use tonic::Request;
 use tonic::metadata::{MetadataMap, MetadataValue};
 
 use crate::replica::{ApiError, Replica};
+use crate::state::validate::shown;
 use crate::state::{Actor, ApiRole, ClusterState, TokenRecord};
 
 /// Metadata carrying the original caller of a forwarded call (JSON of [`ForwardedCaller`]).
@@ -525,8 +526,9 @@ impl Caller {
                 &self.security.counters.permission_denied,
                 &self.describe(),
                 format!(
-                    "{} acts for tenant {own:?} and may not {what} of tenant {tenant:?}",
-                    self.describe()
+                    "{} acts for tenant {own:?} and may not {what} of tenant {}",
+                    self.describe(),
+                    shown(tenant)
                 ),
             )),
             _ => Ok(()),
@@ -553,7 +555,8 @@ impl Caller {
                 &self.security.counters.node_mismatch,
                 &self.describe(),
                 format!(
-                    "the certificate of node {own:?} may not act for node {node:?}: an agent registers, heartbeats and reports for the node its certificate names"
+                    "the certificate of node {own:?} may not act for node {}: an agent registers, heartbeats and reports for the node its certificate names",
+                    shown(node)
                 ),
             )),
             _ => Err(self.security.denied(

@@ -198,6 +198,22 @@ fn audit_to_proto(a: &crate::state::AuditRecord) -> pb::AuditRecord {
     }
 }
 
+/// Longest reason a cancel or drain may carry (it is kept in the job's history).
+const MAX_REASON_BYTES: usize = 1024;
+
+fn validate_reason(reason: &str) -> Result<(), Rejection> {
+    if reason.len() > MAX_REASON_BYTES {
+        return Err(Rejection::invalid(
+            "reason",
+            format!(
+                "{} is longer than {MAX_REASON_BYTES} bytes",
+                crate::state::validate::shown(reason)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Default and largest number of audit records one call returns.
 const DEFAULT_AUDIT_LIMIT: usize = 1_000;
 const MAX_AUDIT_LIMIT: usize = 100_000;
@@ -283,12 +299,21 @@ impl ControlPlane for ControlPlaneService {
             request,
             |caller, req| async move {
                 caller.require(Action::CancelJob)?;
-                // A job's tenant never changes, so this check cannot go stale before the write.
-                // A job this replica has not applied yet is checked again by the leader.
-                let tenant =
-                    job_tenant(&r.sm.read_async().await.cluster, req.id).map(str::to_owned);
-                if let Some(t) = tenant {
-                    caller.require_tenant(&t, "cancel jobs")?;
+                validate_reason(&req.reason)?;
+                // On the leader, whose applied state holds every job a client can know of: a
+                // refused cancel is answered without adding an entry to the log. A follower
+                // may lag, so it leaves the question to the leader.
+                forward_if_follower(r)?;
+                {
+                    let data = r.sm.read_async().await;
+                    if let Some(refusal) = data.cluster.cancel_refusal(req.id) {
+                        return Err(refusal.into());
+                    }
+                    // A job's tenant never changes, so this check cannot go stale before the
+                    // write.
+                    if let Some(t) = job_tenant(&data.cluster, req.id) {
+                        caller.require_tenant(t, "cancel jobs")?;
+                    }
                 }
                 let command = Command::cancel(req.id, req.reason).by(caller.actor());
                 match r.write(command).await? {
@@ -697,13 +722,14 @@ impl ControlPlane for ControlPlaneService {
             request,
             |caller, req| async move {
                 caller.require(Action::ManageNodes)?;
+                validate_reason(&req.reason)?;
                 let command = Command::SetNodeStatus {
                     node: req.node.clone(),
                     status: NodeStatus::Drained,
                     evict: req.evict,
                     reason: req.reason,
                 };
-                node_after(r, command.by(caller.actor()), &req.node).await
+                node_after(r, command.by(caller.actor()), &req.node, None).await
             },
             |ch, req| async move { ControlPlaneClient::new(ch).drain_node(req).await },
         )
@@ -727,7 +753,7 @@ impl ControlPlane for ControlPlaneService {
                     evict: false,
                     reason: String::new(),
                 };
-                node_after(r, command.by(caller.actor()), &req.node).await
+                node_after(r, command.by(caller.actor()), &req.node, None).await
             },
             |ch, req| async move { ControlPlaneClient::new(ch).undrain_node(req).await },
         )
@@ -745,12 +771,13 @@ impl ControlPlane for ControlPlaneService {
             request,
             |caller, req| async move {
                 caller.require(Action::ManageNodes)?;
+                let gpu = req.gpu.clone();
                 let command = Command::SetGpuHealth {
                     node: req.node.clone(),
                     gpu: req.gpu,
                     health: GpuHealth::Healthy,
                 };
-                node_after(r, command.by(caller.actor()), &req.node).await
+                node_after(r, command.by(caller.actor()), &req.node, Some(&gpu)).await
             },
             |ch, req| async move { ControlPlaneClient::new(ch).uncordon_gpu(req).await },
         )
@@ -1066,8 +1093,19 @@ async fn note_membership(r: &Replica, caller: &Caller, action: &str, id: NodeId,
     }
 }
 
-/// Applies a node command and returns the node as it is afterwards.
-async fn node_after(r: &Replica, command: Command, node: &str) -> Result<pb::Node, ApiError> {
+/// Applies a node command and returns the node as it is afterwards. A command naming a node
+/// (or GPU) that does not exist is answered without adding an entry to the log, on the leader
+/// (a follower may not have applied a new node yet; it forwards).
+async fn node_after(
+    r: &Replica,
+    command: Command,
+    node: &str,
+    gpu: Option<&str>,
+) -> Result<pb::Node, ApiError> {
+    forward_if_follower(r)?;
+    if let Some(refusal) = r.sm.read_async().await.cluster.node_refusal(node, gpu) {
+        return Err(refusal.into());
+    }
     match r.write(command).await? {
         Outcome::Done => {
             let data = r.sm.read();

@@ -11,6 +11,7 @@
 //! A generation being read stays on disk until its readers are gone, even when a newer snapshot
 //! replaces it: a follower's transfer of the previous snapshot does not fail half-way.
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::io::{self, Cursor, Read, Seek, SeekFrom, Write};
 use std::pin::Pin;
@@ -529,12 +530,24 @@ impl StoredReader {
     }
 }
 
+/// Checks the bytes of a snapshot received from the leader once the last chunk is in, and
+/// returns what it decoded them to (kept for the install, so they are decoded once).
+pub(crate) type ReceivedCheck = Box<dyn FnOnce(&[u8]) -> io::Result<Box<dyn Any + Send>> + Send>;
+
 /// openraft's snapshot data: what a follower receives (in memory), or the data of a stored
 /// snapshot from `offset` on, read from its chunks as openraft streams it to a follower.
 /// Positions are relative to the data's start.
 pub struct SnapshotData {
     inner: StoredReader,
     offset: u64,
+    /// A snapshot being received: checked when openraft shuts the writer down after the last
+    /// chunk, *before* it hands the snapshot to its core. openraft's core treats an install
+    /// that fails as a storage failure and stops (and it has already moved its commit index
+    /// and membership to the snapshot's by then), so a snapshot cut short or damaged must be
+    /// refused here, where the error goes back to the sender and nothing has changed.
+    check: Option<ReceivedCheck>,
+    /// What `check` decoded.
+    checked: Option<Box<dyn Any + Send>>,
 }
 
 impl SnapshotData {
@@ -543,13 +556,34 @@ impl SnapshotData {
         SnapshotData {
             inner: StoredReader::Bytes(Cursor::new(bytes)),
             offset: 0,
+            check: None,
+            checked: None,
         }
+    }
+
+    /// An empty buffer for a snapshot about to be received, whose bytes `check` checks once
+    /// they are complete (see [`SnapshotData::check`]).
+    pub(crate) fn receiving(check: ReceivedCheck) -> SnapshotData {
+        SnapshotData {
+            check: Some(check),
+            ..SnapshotData::from_bytes(Vec::new())
+        }
+    }
+
+    /// What the check of a received snapshot decoded, if it ran.
+    pub(crate) fn take_checked(&mut self) -> Option<Box<dyn Any + Send>> {
+        self.checked.take()
     }
 
     /// A stored snapshot's data, which starts at `offset` in it.
     pub(crate) fn stored(mut inner: StoredReader, offset: u64) -> io::Result<SnapshotData> {
         inner.seek(SeekFrom::Start(offset))?;
-        Ok(SnapshotData { inner, offset })
+        Ok(SnapshotData {
+            inner,
+            offset,
+            check: None,
+            checked: None,
+        })
     }
 
     /// The data's length in bytes.
@@ -634,7 +668,16 @@ impl AsyncWrite for SnapshotData {
         Poll::Ready(Ok(()))
     }
 
+    /// openraft shuts a received snapshot's writer down after its last chunk: the moment to
+    /// check it (see [`SnapshotData::check`]). An error here is answered to the sender.
     fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(check) = this.check.take() {
+            let StoredReader::Bytes(received) = &this.inner else {
+                return Poll::Ready(Err(io::Error::other("a stored snapshot is read-only")));
+            };
+            this.checked = Some(check(received.get_ref())?);
+        }
         Poll::Ready(Ok(()))
     }
 }
@@ -752,6 +795,145 @@ mod tests {
         put(&s, b"newest");
         assert_eq!(tree.scan_prefix(CHUNK_PREFIX).count(), 1);
         assert!(tree.get(chunk_key(generation, 0)).unwrap().is_none());
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    fn tree_contents(tree: &sled::Tree) -> Vec<(Vec<u8>, Vec<u8>)> {
+        tree.iter()
+            .map(|kv| {
+                let (k, v) = kv.unwrap();
+                (k.to_vec(), v.to_vec())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_stored_snapshot_cut_short_or_damaged_is_refused_on_open_and_left_as_it_was() {
+        use crate::raft::state_machine::StateMachineStore;
+        use openraft::RaftSnapshotBuilder;
+        let db = sled::Config::new().temporary(true).open().unwrap();
+        let mut sm = StateMachineStore::open(&db).unwrap();
+        block_on(sm.build_snapshot()).unwrap();
+        drop(sm);
+        let tree = db.open_tree("snapshot").unwrap();
+        let good = tree_contents(&tree);
+        let pointer = tree.get(SNAPSHOT_KEY).unwrap().unwrap().to_vec();
+        let (generation, chunks, len) = parse_pointer(&pointer).unwrap();
+        assert_eq!(chunks, 1);
+        let chunk = tree
+            .get(chunk_key(generation, 0))
+            .unwrap()
+            .unwrap()
+            .to_vec();
+        let with_pointer = |chunks: u32, len: u64| {
+            let mut p = CHUNKED_POINTER.to_vec();
+            p.extend_from_slice(&generation.to_le_bytes());
+            p.extend_from_slice(&chunks.to_le_bytes());
+            p.extend_from_slice(&len.to_le_bytes());
+            p
+        };
+        type Damage<'a> = Box<dyn Fn(&sled::Tree) + 'a>;
+        let half = chunk.len() / 2;
+        let cases: Vec<(&str, Damage<'_>, &str)> = vec![
+            (
+                "cut in half (a torn write)",
+                Box::new(|t| {
+                    t.insert(chunk_key(generation, 0), &chunk[..half]).unwrap();
+                    t.insert(SNAPSHOT_KEY, with_pointer(1, half as u64))
+                        .unwrap();
+                }),
+                "the stored snapshot's state does not decode",
+            ),
+            (
+                "cut inside its header",
+                Box::new(|t| {
+                    t.insert(chunk_key(generation, 0), &chunk[..10]).unwrap();
+                    t.insert(SNAPSHOT_KEY, with_pointer(1, 10)).unwrap();
+                }),
+                "the snapshot ends inside its header",
+            ),
+            (
+                "shorter than its pointer says",
+                Box::new(|t| {
+                    t.insert(SNAPSHOT_KEY, with_pointer(2, len + 1000)).unwrap();
+                }),
+                "missing",
+            ),
+            (
+                "its chunk lost",
+                Box::new(|t| {
+                    t.remove(chunk_key(generation, 0)).unwrap();
+                }),
+                "chunk 0 of snapshot generation",
+            ),
+            (
+                "a flipped byte",
+                Box::new(|t| {
+                    let mut c = chunk.clone();
+                    *c.last_mut().unwrap() ^= 0x40;
+                    t.insert(chunk_key(generation, 0), c).unwrap();
+                }),
+                "the stored snapshot's state does not decode",
+            ),
+        ];
+        for (what, damage, want) in cases {
+            tree.clear().unwrap();
+            for (k, v) in &good {
+                tree.insert(k, v.as_slice()).unwrap();
+            }
+            damage(&tree);
+            let damaged = tree_contents(&tree);
+            let err = StateMachineStore::open(&db).err().expect(what);
+            assert!(err.contains(want), "{what}: {err}");
+            assert_eq!(
+                tree_contents(&tree),
+                damaged,
+                "{what}: the store was rewritten"
+            );
+        }
+    }
+
+    #[test]
+    fn a_received_snapshot_cut_short_is_refused_before_it_is_installed() {
+        use crate::raft::state_machine::StateMachineStore;
+        use openraft::storage::RaftStateMachine;
+        use tokio::io::AsyncWriteExt;
+        let db = sled::Config::new().temporary(true).open().unwrap();
+        let mut sm = StateMachineStore::open(&db).unwrap();
+        let state = serde_json::to_vec(&*sm.read()).unwrap();
+        for cut in [0, 1, state.len() / 2, state.len() - 1] {
+            let mut received = block_on(sm.begin_receiving_snapshot()).unwrap();
+            block_on(received.write_all(&state[..cut])).unwrap();
+            let err = block_on(received.shutdown()).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{cut}: {err}");
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("the received snapshot ({cut} bytes) is refused")),
+                "{cut}: {err}"
+            );
+        }
+        assert!(
+            db.open_tree("snapshot").unwrap().is_empty(),
+            "nothing was stored"
+        );
+        // Whole, it is checked once and installed from what the check decoded.
+        let mut received = block_on(sm.begin_receiving_snapshot()).unwrap();
+        block_on(received.write_all(&state)).unwrap();
+        block_on(received.shutdown()).unwrap();
+        assert!(received.checked.is_some());
+        let meta = openraft::SnapshotMeta {
+            snapshot_id: "whole".into(),
+            ..Default::default()
+        };
+        block_on(sm.install_snapshot(&meta, received)).unwrap();
+        assert_eq!(serde_json::to_vec(&*sm.read()).unwrap(), state);
     }
 
     #[test]

@@ -121,6 +121,29 @@ fn decode_state(data: SnapshotData) -> Result<StateMachineData, serde_json::Erro
     serde_json::from_reader(BufReader::with_capacity(256 * 1024, data))
 }
 
+/// The state in a snapshot received from the leader, checked as a stored one is on a restart.
+fn decode_received(bytes: &[u8]) -> std::io::Result<StateMachineData> {
+    let invalid = |what: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "the received snapshot ({} bytes) is refused: {what}; this replica keeps its state",
+                bytes.len()
+            ),
+        )
+    };
+    let mut data: StateMachineData = serde_json::from_slice(bytes).map_err(|e| {
+        invalid(format!(
+            "its state does not decode (cut short or damaged?): {e}"
+        ))
+    })?;
+    data.cluster.rebuild_indexes();
+    data.cluster
+        .check_consistency()
+        .map_err(|e| invalid(format!("its state is inconsistent: {e}")))?;
+    Ok(data)
+}
+
 /// A job as it was right after a log entry changed it.
 #[derive(Debug, Clone)]
 pub struct JobEvent {
@@ -441,7 +464,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
-        Ok(Box::new(SnapshotData::from_bytes(Vec::new())))
+        // Checked (decoded) when the last chunk is in, before openraft's core sees it: an
+        // install that fails would stop this replica's Raft (see `SnapshotData::receiving`).
+        Ok(Box::new(SnapshotData::receiving(Box::new(|bytes| {
+            decode_received(bytes).map(|data| Box::new(data) as Box<dyn std::any::Any + Send>)
+        }))))
     }
 
     #[tracing::instrument(level = "info", skip_all, name = "raft.install_snapshot")]
@@ -450,18 +477,17 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         meta: &SnapshotMeta<NodeId, BasicNode>,
         snapshot: Box<SnapshotData>,
     ) -> Result<(), StorageError> {
+        let mut snapshot = snapshot;
+        let checked = snapshot
+            .take_checked()
+            .and_then(|d| d.downcast::<StateMachineData>().ok());
         let bytes = snapshot
             .into_bytes()
             .map_err(|e| read_error(Some(meta), &e))?;
-        let mut new_data: StateMachineData =
-            serde_json::from_slice(&bytes).map_err(|e| read_error(Some(meta), &e))?;
-        new_data.cluster.rebuild_indexes();
-        if let Err(e) = new_data.cluster.check_consistency() {
-            return Err(read_error(
-                Some(meta),
-                &std::io::Error::other(format!("received snapshot is inconsistent: {e}")),
-            ));
-        }
+        let new_data = match checked {
+            Some(data) => *data,
+            None => decode_received(&bytes).map_err(|e| read_error(Some(meta), &e))?,
+        };
         // Stored as received, a chunk at a time behind the header.
         {
             let mut writer = self

@@ -330,6 +330,41 @@ impl ClusterState {
         Outcome::JobSubmitted { id, created: true }
     }
 
+    /// Why cancelling job `id` would be refused, if it would: the API asks before it proposes,
+    /// so a refused cancel adds nothing to the log, and apply asks again.
+    pub fn cancel_refusal(&self, id: JobId) -> Option<Rejection> {
+        let Some(job) = self.jobs.get(&id) else {
+            if let Some(a) = self.archived.get(&id) {
+                return Some(Rejection::precondition(format!(
+                    "job {id} already ended ({}) and is archived",
+                    a.state
+                )));
+            }
+            return Some(Rejection::not_found(self.missing_job(id)));
+        };
+        job.state
+            .is_final()
+            .then(|| Rejection::precondition(format!("job {id} already ended ({})", job.state)))
+    }
+
+    /// Why a command naming node `name` (and, when given, its GPU `gpu` by UUID or index)
+    /// would be refused for naming something that does not exist.
+    pub fn node_refusal(&self, name: &str, gpu: Option<&str>) -> Option<Rejection> {
+        let Some(node) = self.nodes.get(name) else {
+            return Some(Rejection::not_found(format!(
+                "node {} does not exist",
+                validate::shown(name)
+            )));
+        };
+        let gpu = gpu?;
+        (!node
+            .spec
+            .gpus
+            .iter()
+            .any(|g| g.uuid == gpu || g.index.to_string() == gpu))
+        .then(|| Rejection::not_found(format!("node {name} has no GPU {}", validate::shown(gpu))))
+    }
+
     fn cancel(
         &mut self,
         id: JobId,
@@ -338,20 +373,8 @@ impl ClusterState {
         index: u64,
         changed: &mut Vec<JobId>,
     ) -> Outcome {
-        let Some(job) = self.jobs.get(&id) else {
-            if let Some(a) = self.archived.get(&id) {
-                return Outcome::Rejected(Rejection::precondition(format!(
-                    "job {id} already ended ({}) and is archived",
-                    a.state
-                )));
-            }
-            return Outcome::Rejected(Rejection::not_found(self.missing_job(id)));
-        };
-        if job.state.is_final() {
-            return Outcome::Rejected(Rejection::precondition(format!(
-                "job {id} already ended ({})",
-                job.state
-            )));
+        if let Some(refusal) = self.cancel_refusal(id) {
+            return Outcome::Rejected(refusal);
         }
         let reason = if reason.is_empty() {
             "cancelled by user"
@@ -398,18 +421,41 @@ impl ClusterState {
                 ));
             }
         }
-        // GPUs a re-registration no longer reports are forgotten unless an allocation holds
-        // them: a held GPU disappearing is a fault the agent reports separately.
+        // GPUs (and MIG slices) a re-registration no longer reports are forgotten unless an
+        // allocation holds them: a held GPU disappearing is a fault the agent reports
+        // separately.
         if let Some(old) = self.nodes.get(&spec.name) {
             let reported: BTreeSet<&str> = spec.gpus.iter().map(|g| g.uuid.as_str()).collect();
-            for gpu in &old.spec.gpus {
-                if !previous_agent_gone
-                    && !reported.contains(gpu.uuid.as_str())
-                    && self.gpu_holder.contains_key(&gpu.uuid)
-                {
+            let reported_slices: BTreeSet<&str> = spec
+                .gpus
+                .iter()
+                .flat_map(|g| &g.mig)
+                .map(|m| m.uuid.as_str())
+                .collect();
+            let gone = old
+                .spec
+                .gpus
+                .iter()
+                .map(|g| g.uuid.as_str())
+                .filter(|u| !reported.contains(u))
+                .chain(
+                    old.spec
+                        .gpus
+                        .iter()
+                        .flat_map(|g| &g.mig)
+                        .map(|m| m.uuid.as_str())
+                        .filter(|u| !reported_slices.contains(u)),
+                );
+            for uuid in gone.filter(|_| !previous_agent_gone) {
+                // Held whole (or as a slice), or by shares, which `gpu_holder` does not list.
+                let holder = self.gpu_holder.get(uuid).copied().or_else(|| {
+                    let shares = self.index.gpu_shares.get(uuid)?;
+                    shares.allocations.first().copied()
+                });
+                if let Some(holder) = holder {
                     return Outcome::Rejected(Rejection::precondition(format!(
-                        "node {} no longer reports GPU {}, which allocation {} holds",
-                        spec.name, gpu.uuid, self.gpu_holder[&gpu.uuid]
+                        "node {} no longer reports GPU {uuid}, which allocation {holder} holds",
+                        spec.name
                     )));
                 }
             }
@@ -1011,9 +1057,27 @@ impl ClusterState {
         }
     }
 
+    /// Moves a job to `state`; a job that ends fails the dependents it leaves unsatisfiable.
     fn transition(&mut self, id: JobId, state: JobState, reason: &str, at: Timestamp, index: u64) {
+        if self.set_state(id, state, reason, at, index) {
+            let mut failed = Vec::new();
+            self.fail_unsatisfiable_dependents(id, at, index, &mut failed);
+            self.cascaded.extend(failed);
+        }
+    }
+
+    /// Moves a job to `state` and keeps the indexes in step; true when the job has just
+    /// reached a final state (its dependents are the caller's to look at).
+    fn set_state(
+        &mut self,
+        id: JobId,
+        state: JobState,
+        reason: &str,
+        at: Timestamp,
+        index: u64,
+    ) -> bool {
         let Some(job) = self.jobs.get_mut(&id) else {
-            return;
+            return false;
         };
         let was = job.state;
         job.state = state;
@@ -1039,12 +1103,11 @@ impl ClusterState {
                 self.index.dependents.entry(dep.job).or_default().insert(id);
             }
         }
-        if state.is_final() && !was.is_final() {
+        let ended = state.is_final() && !was.is_final();
+        if ended {
             self.index.finished.insert((at, id));
-            let mut failed = Vec::new();
-            self.fail_unsatisfiable_dependents(id, at, index, &mut failed);
-            self.cascaded.extend(failed);
         }
+        ended
     }
 
     /// Why a job's dependencies can never all be met, if they cannot: a dependency that ended
@@ -1074,7 +1137,7 @@ impl ClusterState {
     }
 
     /// Fails every pending job that waits on `ended` and can now never start, and so on down
-    /// the chain of dependents.
+    /// the chain of dependents, however long.
     fn fail_unsatisfiable_dependents(
         &mut self,
         ended: JobId,
@@ -1092,9 +1155,12 @@ impl ClusterState {
                 .unwrap_or_default();
             for dependent in waiting {
                 if let Some(reason) = self.unsatisfiable_dependency(dependent) {
-                    // transition() recurses through this function for the dependent's own
-                    // dependents, so the chain is followed without pushing here.
-                    self.transition(dependent, JobState::Failed, &reason, at, index);
+                    // A work list, not recursion: a chain of a hundred thousand jobs is a
+                    // longer list, not a deeper stack (a recursive cascade overflowed the
+                    // stack of every replica at once at 5,000 jobs).
+                    if self.set_state(dependent, JobState::Failed, &reason, at, index) {
+                        work.push(dependent);
+                    }
                     changed.push(dependent);
                 }
             }

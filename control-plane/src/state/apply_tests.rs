@@ -1474,6 +1474,23 @@ fn another_agent_may_register_a_node_without_a_gpu_the_old_one_held() {
 }
 
 #[test]
+fn the_same_agent_may_not_drop_a_gpu_that_shares_hold() {
+    // Shares are not in `gpu_holder` (several allocations hold one GPU), and a fuzz campaign
+    // found re-registration forgetting a GPU that quarter-shares were running on.
+    let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
+    let mut quarter = job(1).spec();
+    quarter.gpu_milli = 250;
+    let (id, _) = h.running(quarter, vec![task("n1", &[3])]);
+    let r = h.reject(Command::RegisterNode {
+        spec: node("n1", 3, "H100").spec(),
+    });
+    assert_eq!(r.kind, RejectKind::FailedPrecondition);
+    assert!(r.message.contains("no longer reports GPU"), "{}", r.message);
+    assert_eq!(h.job(id).state, JobState::Running);
+    assert_eq!(h.state.total_gpus(), 4);
+}
+
+#[test]
 fn undrain_does_not_revive_a_node_that_is_down() {
     let mut h = Harness::with_nodes([node("n1", 4, "H100")]);
     let registered_at = h.state.nodes["n1"].registered_at;

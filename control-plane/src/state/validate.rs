@@ -11,6 +11,7 @@ pub const MAX_TASKS: u32 = 4096;
 pub const MAX_COMMAND_BYTES: usize = 64 * 1024;
 pub const MAX_COMMAND_ARGS: usize = 4096;
 pub const MAX_ENV_BYTES: usize = 64 * 1024;
+pub const MAX_ENV_VARS: usize = 4096;
 pub const MAX_NAME_LEN: usize = 256;
 pub const MAX_DEPENDENCIES: usize = 128;
 pub const MAX_GPU_MODELS: usize = 16;
@@ -19,6 +20,28 @@ pub const MAX_TIME_LIMIT_SECS: u64 = 366 * 24 * 3600;
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 256;
 pub const PRIORITY_CLASSES: [&str; 3] = ["low", "normal", "high"];
 pub const DEFAULT_PRIORITY_CLASS: &str = "normal";
+/// Labels of one node, and the size of each label's key and value.
+pub const MAX_LABELS: usize = 64;
+pub const MAX_LABEL_KEY_LEN: usize = 128;
+pub const MAX_LABEL_VALUE_LEN: usize = 256;
+/// Free text a node reports about itself: agent address, driver version, GPU model, PCI bus
+/// id, UUIDs, MIG profile names, topology cells.
+pub const MAX_NODE_TEXT_LEN: usize = 256;
+/// MIG instances of one GPU (an A100 or H100 has at most 7).
+pub const MAX_MIG_PER_GPU: usize = 64;
+/// Longest piece of a refused value that a message quotes.
+const SHOWN_CHARS: usize = 64;
+
+/// A refused value as a message quotes it: whole when short, else its start and its length,
+/// so that a megabyte of input is never echoed back (gRPC carries the message in a header,
+/// and an answer with a header that large never reaches the caller).
+pub fn shown(value: &str) -> String {
+    if value.chars().count() <= SHOWN_CHARS {
+        return format!("{value:?}");
+    }
+    let start: String = value.chars().take(SHOWN_CHARS).collect();
+    format!("{start:?}… ({} bytes)", value.len())
+}
 
 /// Names of tenants, partitions, nodes and labels: what a person would type in a shell.
 pub fn validate_name(field: &str, value: &str) -> Result<(), Rejection> {
@@ -28,7 +51,7 @@ pub fn validate_name(field: &str, value: &str) -> Result<(), Rejection> {
     if value.len() > 63 {
         return Err(Rejection::invalid(
             field,
-            format!("{value:?} is longer than 63 characters"),
+            format!("{} is longer than 63 characters", shown(value)),
         ));
     }
     if !value
@@ -37,7 +60,10 @@ pub fn validate_name(field: &str, value: &str) -> Result<(), Rejection> {
     {
         return Err(Rejection::invalid(
             field,
-            format!("{value:?} may only contain letters, digits, '-', '_' and '.'"),
+            format!(
+                "{} may only contain letters, digits, '-', '_' and '.'",
+                shown(value)
+            ),
         ));
     }
     Ok(())
@@ -108,7 +134,7 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
         if model.trim().is_empty() || model.len() > 64 {
             return Err(Rejection::invalid(
                 "gpu_models",
-                format!("{model:?} is not a GPU model name"),
+                format!("{} is not a GPU model name", shown(model)),
             ));
         }
     }
@@ -125,8 +151,8 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
         return Err(Rejection::invalid(
             "priority_class",
             format!(
-                "{:?} is not one of {}",
-                spec.priority_class,
+                "{} is not one of {}",
+                shown(&spec.priority_class),
                 PRIORITY_CLASSES.join(", ")
             ),
         ));
@@ -154,12 +180,27 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
         ));
     }
     validate_gpu_kind(spec)?;
+    if spec.env.len() > MAX_ENV_VARS {
+        return Err(Rejection::invalid(
+            "env",
+            format!(
+                "has {} variables; the limit is {MAX_ENV_VARS}",
+                spec.env.len()
+            ),
+        ));
+    }
     let mut env_bytes = 0;
     for (k, v) in &spec.env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
             return Err(Rejection::invalid(
                 "env",
-                format!("{k:?} is not a valid variable name"),
+                format!("{} is not a valid variable name", shown(k)),
+            ));
+        }
+        if v.contains('\0') {
+            return Err(Rejection::invalid(
+                "env",
+                format!("the value of {} contains a NUL byte", shown(k)),
             ));
         }
         env_bytes += k.len() + v.len();
@@ -207,7 +248,10 @@ fn validate_gpu_kind(spec: &JobSpec) -> Result<(), Rejection> {
         if mig_compute_slices(profile).is_none() || profile.len() > 32 {
             return Err(Rejection::invalid(
                 "mig_profile",
-                format!("{profile:?} is not a MIG profile name such as 1g.10gb or 3g.40gb"),
+                format!(
+                    "{} is not a MIG profile name such as 1g.10gb or 3g.40gb",
+                    shown(profile)
+                ),
             ));
         }
         if spec.gpus_per_task == 0 {
@@ -243,6 +287,23 @@ pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), Rejection> {
         if gpu.uuid.is_empty() {
             return Err(Rejection::invalid("node.gpus.uuid", "must not be empty"));
         }
+        node_text("node.gpus.uuid", &gpu.uuid)?;
+        node_text("node.gpus.model", &gpu.model)?;
+        node_text("node.gpus.pci_bus_id", &gpu.pci_bus_id)?;
+        if gpu.mig.len() > MAX_MIG_PER_GPU {
+            return Err(Rejection::invalid(
+                "node.gpus.mig_instances",
+                format!(
+                    "GPU {} has {} MIG instances; the limit is {MAX_MIG_PER_GPU}",
+                    gpu.index,
+                    gpu.mig.len()
+                ),
+            ));
+        }
+        for m in &gpu.mig {
+            node_text("node.gpus.mig_instances.uuid", &m.uuid)?;
+            node_text("node.gpus.mig_instances.profile", &m.profile)?;
+        }
         if !seen.insert(gpu.uuid.as_str()) {
             return Err(Rejection::invalid(
                 "node.gpus.uuid",
@@ -252,6 +313,77 @@ pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), Rejection> {
     }
     if let Some(p) = &spec.partition {
         validate_name("node.partition", p)?;
+    }
+    node_text("node.agent_address", &spec.agent_address)?;
+    node_text("node.driver", &spec.driver)?;
+    node_text("node.incarnation", &spec.incarnation)?;
+    if spec.topology.len() > MAX_GPUS_PER_NODE as usize
+        || spec
+            .topology
+            .iter()
+            .any(|row| row.len() > MAX_GPUS_PER_NODE as usize)
+    {
+        return Err(Rejection::invalid(
+            "node.topology",
+            format!(
+                "the link matrix is larger than {MAX_GPUS_PER_NODE} × {MAX_GPUS_PER_NODE} GPUs"
+            ),
+        ));
+    }
+    for cell in spec.topology.iter().flatten() {
+        node_text("node.topology", cell)?;
+    }
+    validate_labels(&spec.labels)?;
+    Ok(())
+}
+
+/// A string a node reports about itself: bounded, so that a registration cannot fill the log.
+fn node_text(field: &str, value: &str) -> Result<(), Rejection> {
+    if value.len() > MAX_NODE_TEXT_LEN {
+        return Err(Rejection::invalid(
+            field,
+            format!("{} is longer than {MAX_NODE_TEXT_LEN} bytes", shown(value)),
+        ));
+    }
+    Ok(())
+}
+
+/// A node's labels (`rack=r12`): a few, short, printable keys and values.
+pub fn validate_labels(
+    labels: &std::collections::BTreeMap<String, String>,
+) -> Result<(), Rejection> {
+    if labels.len() > MAX_LABELS {
+        return Err(Rejection::invalid(
+            "node.labels",
+            format!("{} labels; the limit is {MAX_LABELS}", labels.len()),
+        ));
+    }
+    for (k, v) in labels {
+        if k.is_empty()
+            || k.len() > MAX_LABEL_KEY_LEN
+            || k.contains('=')
+            || k.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(Rejection::invalid(
+                "node.labels",
+                format!(
+                    "key {} is not a label key: give 1-{MAX_LABEL_KEY_LEN} bytes without \
+                     '=', spaces or control characters",
+                    shown(k)
+                ),
+            ));
+        }
+        if v.len() > MAX_LABEL_VALUE_LEN || v.chars().any(char::is_control) {
+            return Err(Rejection::invalid(
+                "node.labels",
+                format!(
+                    "the value of {} is {} bytes or holds control characters; a label value \
+                     is at most {MAX_LABEL_VALUE_LEN} printable bytes",
+                    shown(k),
+                    v.len()
+                ),
+            ));
+        }
     }
     Ok(())
 }

@@ -183,14 +183,19 @@ impl SimulatedSpec {
     ) -> Result<Self, GpuError> {
         let path = path.as_ref();
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| GpuError::Topology {
-            path: shown.clone(),
-            message: format!("cannot read the file: {e}"),
-        })?;
-        let topology = topology::parse(&text).map_err(|message| GpuError::Topology {
+        let error = |message: String| GpuError::Topology {
             path: shown.clone(),
             message,
-        })?;
+        };
+        let text = read_topology_text(path).map_err(error)?;
+        let topology = topology::parse(&text).map_err(error)?;
+        if topology.gpu_count() > MAX_GPUS {
+            return Err(error(format!(
+                "the matrix has {} GPUs; a host has at most {MAX_GPUS} (the control plane \
+                 refuses larger ones)",
+                topology.gpu_count()
+            )));
+        }
         let gpus = topology.gpu_count() as u64;
         let cpus = topology
             .affinity_cpu_count()
@@ -211,6 +216,40 @@ impl SimulatedSpec {
             host_memory_mib: 2 * memory_mib * gpus,
         })
     }
+}
+
+/// Most GPUs of a host: the control plane's limit (`MAX_GPUS_PER_NODE`); a host with more
+/// would be refused at every registration.
+pub const MAX_GPUS: usize = 16;
+
+/// Largest topology file read: `nvidia-smi topo -m` of a 16-GPU host with NICs is a few KB.
+pub const MAX_TOPOLOGY_FILE_BYTES: u64 = 1024 * 1024;
+
+/// The text of a topology file: refused if it is larger than any `nvidia-smi topo -m` output
+/// (`/dev/zero` must not be read until memory runs out) or not UTF-8 (the line that is not).
+fn read_topology_text(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the file: {e}"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_TOPOLOGY_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read the file: {e}"))?;
+    if bytes.len() as u64 > MAX_TOPOLOGY_FILE_BYTES {
+        return Err(format!(
+            "the file is larger than {MAX_TOPOLOGY_FILE_BYTES} bytes: not `nvidia-smi topo -m` \
+             output (is it the right file?)"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        let good = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+        let line = good.iter().filter(|&&b| b == b'\n').count() + 1;
+        let column = good.len() - good.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
+        let byte = e.as_bytes()[good.len()];
+        format!(
+            "line {line}: byte 0x{byte:02x} at column {column} is not UTF-8 text: not \
+             `nvidia-smi topo -m` output (is it the right file?)"
+        )
+    })
 }
 
 /// A simulated host. The inventory is fixed at construction; events come only from
@@ -829,5 +868,60 @@ mod tests {
             text.contains("missing.txt") && text.contains("cannot read"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn hostile_topology_files_are_refused_naming_the_file_and_the_problem() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let refused = |name: &str, bytes: &[u8]| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).expect("write");
+            let err = SimulatedBackend::from_topology_file(&path, "lab", "m", 1).unwrap_err();
+            assert!(matches!(err, GpuError::Topology { .. }), "{err}");
+            let text = err.to_string();
+            assert!(
+                text.starts_with(&format!("topology file {}: ", path.display())),
+                "{text}"
+            );
+            assert!(text.len() < 400, "{} bytes: {text:.400}", text.len());
+            text
+        };
+        // Binary garbage: the line and column of the first byte that is not UTF-8.
+        let text = refused("binary.txt", b"GPU0\nGPU0 X\n\x7fELF\xff\xfe\x00");
+        assert!(
+            text.contains("line 3: byte 0xff at column 5 is not UTF-8 text"),
+            "{text}"
+        );
+        // Larger than any `nvidia-smi topo -m` output (and /dev/zero, which never ends).
+        let text = refused("huge.txt", &vec![b'#'; 2 * 1024 * 1024]);
+        assert!(text.contains("larger than 1048576 bytes"), "{text}");
+        if Path::new("/dev/zero").exists() {
+            let err = SimulatedBackend::from_topology_file("/dev/zero", "lab", "m", 1)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("larger than"), "{err}");
+        }
+        // Garbage text on one long line: quoted in part.
+        let text = refused("garbage.txt", "Z".repeat(100_000).as_bytes());
+        assert!(
+            text.contains("line 1: expected the header row") && text.contains("(100000 bytes)"),
+            "{text}"
+        );
+        // A well-formed matrix of more GPUs than the control plane takes.
+        let n = MAX_GPUS + 1;
+        let mut big = String::new();
+        for i in 0..n {
+            big.push_str(&format!("\tGPU{i}"));
+        }
+        big.push('\n');
+        for r in 0..n {
+            big.push_str(&format!("GPU{r}"));
+            for c in 0..n {
+                big.push_str(if r == c { "\t X " } else { "\tSYS" });
+            }
+            big.push('\n');
+        }
+        let text = refused("gpu17.txt", big.as_bytes());
+        assert!(text.contains("17 GPUs; a host has at most 16"), "{text}");
     }
 }

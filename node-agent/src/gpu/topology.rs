@@ -75,6 +75,19 @@ impl fmt::Display for LinkKind {
 
 const EXPECTED_TOKENS: &str = "X, NV<n>, PIX, PXB, PHB, NODE or SYS";
 
+/// Longest piece of the input an error quotes.
+const QUOTED_CHARS: usize = 60;
+
+/// Input text as an error quotes it: whole when short, else its start and its length, so that
+/// a file of garbage (one 10 MB line) gives a message a person can read.
+fn quoted(text: &str) -> String {
+    if text.chars().count() <= QUOTED_CHARS {
+        return format!("`{text}`");
+    }
+    let start: String = text.chars().take(QUOTED_CHARS).collect();
+    format!("`{start}…` ({} bytes)", text.len())
+}
+
 impl FromStr for LinkKind {
     type Err = String;
 
@@ -93,12 +106,14 @@ impl FromStr for LinkKind {
                 Some(Ok(n)) if n > 0 => LinkKind::NvLink(n),
                 Some(Ok(_)) => {
                     return Err(format!(
-                        "`{token}` is not a link: an NVLink bond has at least one link"
+                        "{} is not a link: an NVLink bond has at least one link",
+                        quoted(token)
                     ));
                 }
                 _ => {
                     return Err(format!(
-                        "unknown link `{token}` (expected {EXPECTED_TOKENS})"
+                        "unknown link {} (expected {EXPECTED_TOKENS})",
+                        quoted(token)
                     ));
                 }
             },
@@ -200,7 +215,7 @@ impl fmt::Display for Topology {
 /// absurdly large (a typo such as `0-4000000000` must not allocate gigabytes).
 pub fn parse_cpu_list(list: &str) -> Option<Vec<u32>> {
     const MAX_CPUS: u32 = 1 << 16;
-    let mut cpus = Vec::new();
+    let mut cpus: Vec<u32> = Vec::new();
     for part in list.trim().split(',') {
         let part = part.trim();
         let (lo, hi) = match part.split_once('-') {
@@ -213,7 +228,9 @@ pub fn parse_cpu_list(list: &str) -> Option<Vec<u32>> {
                 (cpu, cpu)
             }
         };
-        if lo > hi || hi >= MAX_CPUS {
+        // Bounded in all, not only per range: `0-65535` repeated a thousand times in one
+        // 16 KB cell would otherwise expand to hundreds of megabytes.
+        if lo > hi || hi >= MAX_CPUS || cpus.len() + (hi - lo) as usize >= MAX_CPUS as usize {
             return None;
         }
         cpus.extend(lo..=hi);
@@ -379,7 +396,8 @@ fn parse_numa(cell: &str) -> Result<Option<u32>, String> {
         return Ok(None);
     }
     Err(format!(
-        "NUMA affinity `{cell}` is neither a node number, a node list nor N/A"
+        "NUMA affinity {} is neither a node number, a node list nor N/A",
+        quoted(cell)
     ))
 }
 
@@ -419,7 +437,8 @@ pub fn parse(text: &str) -> Result<Topology, String> {
             if names.first().map(String::as_str) != Some("GPU0") {
                 return Err(format!(
                     "line {line_no}: expected the header row listing GPU0, GPU1, ... as \
-                     `nvidia-smi topo -m` prints it, found `{trimmed}`"
+                     `nvidia-smi topo -m` prints it, found {}",
+                    quoted(trimmed)
                 ));
             }
             let mut gpu_count = 0;
@@ -453,7 +472,8 @@ pub fn parse(text: &str) -> Result<Topology, String> {
         let Some(index) = gpu_label(label) else {
             if label.starts_with("GPU") {
                 return Err(format!(
-                    "line {line_no}: row label `{label}` is not GPU<number>"
+                    "line {line_no}: row label {} is not GPU<number>",
+                    quoted(label)
                 ));
             }
             // NIC rows (`NIC0`, `mlx5_0`): not part of the GPU matrix.
@@ -928,5 +948,44 @@ GPU2 SYS SYS X 16-23 3\n";
         assert_eq!(parse_cpu_list("3-1"), None);
         assert_eq!(parse_cpu_list("0-4000000000"), None);
         assert_eq!(parse_cpu_list("N/A"), None);
+    }
+
+    #[test]
+    fn hostile_files_are_refused_quickly_with_a_short_message() {
+        // One 10 MB line of garbage: the message quotes its start only.
+        let line = "Z".repeat(10 * 1024 * 1024);
+        let err = parse(&line).unwrap_err();
+        assert!(err.starts_with("line 1: expected the header row"), "{err}");
+        assert!(err.contains("(10485760 bytes)") && err.len() < 300, "{err}");
+        // A 10 MB cell where a link belongs.
+        let text = format!("GPU0 GPU1\nGPU0 X {line}\nGPU1 PIX X\n");
+        let err = parse(&text).unwrap_err();
+        assert!(
+            err.starts_with("line 2: row GPU0, column GPU1: unknown link `ZZZ") && err.len() < 300,
+            "{err}"
+        );
+        // A CPU list that names 65,536 CPUs thousands of times over (a 16 KB cell that used to
+        // take gigabytes and minutes): unknown affinity, at once.
+        let bomb = vec!["0-65535"; 2000].join(",");
+        assert_eq!(parse_cpu_list(&bomb), None);
+        let text = format!("GPU0\tCPU Affinity\tNUMA Affinity\nGPU0\t X \t{bomb}\t0\n");
+        let started = std::time::Instant::now();
+        let topo = parse(&text).expect("the matrix itself is fine");
+        assert_eq!(topo.affinity_cpu_count(), None);
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
+        assert_eq!(parse_cpu_list("0-65535").map(|c| c.len()), Some(65536));
+        assert_eq!(parse_cpu_list("0-65535,0"), None);
+        // Binary garbage that happens to be text, an empty file, a NUL in a cell.
+        for (text, needle) in [
+            ("", "no header row found"),
+            ("\u{0}\u{1}\u{7f}", "line 1: expected the header row"),
+            (
+                "GPU0\nGPU0 X\u{0}\n",
+                "line 2: row GPU0, column GPU0: unknown link",
+            ),
+        ] {
+            let err = parse(text).unwrap_err();
+            assert!(err.contains(needle), "{text:?}: {err}");
+        }
     }
 }

@@ -29,6 +29,23 @@ fn token(id: &str, role: ApiRole, tenant: Option<&str>) -> TokenRecord {
 
 const ID: &str = "0123456789abcdef";
 
+impl Harness {
+    /// A submission applied without the consistency check after it (which scans the whole
+    /// state: quadratic over a hundred thousand submissions).
+    fn submit_unchecked(&mut self, spec: JobSpec) -> JobId {
+        self.index += 1;
+        self.at += 1;
+        match self
+            .state
+            .apply(&Command::submit(spec, None), self.at, self.index)
+            .outcome
+        {
+            Outcome::JobSubmitted { id, .. } => id,
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 #[test]
 fn a_token_is_created_once_and_revoked_once() {
     let mut h = Harness::new();
@@ -223,4 +240,28 @@ fn the_audit_trail_is_kept_by_count_at_every_record_and_by_age_when_compacted() 
             max_records: 0,
         },
     });
+}
+
+#[test]
+fn a_chain_of_100000_dependents_fails_in_a_loop_not_a_recursion() {
+    // A recursive cascade overflowed the stack of every replica at 5,000 (the same entry would
+    // crash them again on restart). Run on a small stack to be sure it is not recursion.
+    std::thread::Builder::new()
+        .stack_size(256 * 1024)
+        .spawn(|| {
+            let mut h = Harness::new();
+            let root = h.submit(job(1).spec());
+            let mut last = root;
+            for _ in 0..100_000 {
+                last = h.submit_unchecked(job(1).after_ok(last).spec());
+            }
+            let applied = h.apply(Command::cancel(root, "gone"));
+            assert_eq!(applied.outcome, Outcome::JobCancelled { id: root });
+            assert_eq!(applied.changed_jobs.len(), 100_001);
+            assert_eq!(h.job(last).state, JobState::Failed);
+            assert!(h.state.index.pending.is_empty());
+        })
+        .unwrap()
+        .join()
+        .unwrap();
 }

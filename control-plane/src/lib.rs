@@ -11,6 +11,7 @@
 //! - `cli/`: `gpuctl`'s commands and their output, `gpuctl dev` and `gpuctl bench`.
 //! - `local_cluster`: replicas and simulated hosts as local processes (dev, benches, tests).
 //! - `telemetry`: tracing and the optional OTLP export.
+//! - `fuzz/`: fuzz targets for hostile input and their stable-Rust harness (`gpucp-fuzz`).
 
 pub mod api;
 pub mod cli;
@@ -18,6 +19,7 @@ pub mod client;
 pub mod config;
 pub mod datadir;
 pub mod dst;
+pub mod fuzz;
 pub mod group_commit;
 pub mod leader;
 pub mod local_cluster;

@@ -63,7 +63,8 @@ impl AgentService {
     }
 }
 
-fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
+/// The node a registration describes (validated by the caller: `validate_node_spec`).
+pub fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
     NodeSpec {
         name: req.name,
         gpus: req
@@ -101,6 +102,61 @@ fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
         driver: req.driver,
         incarnation: req.incarnation,
     }
+}
+
+/// Why an agent's fence grace is refused, if it is: a fenced job must be dead before the
+/// control plane may place its GPUs elsewhere.
+pub fn fence_grace_refusal(fence_grace_ms: u64, node_grace_ms: u64) -> Option<Rejection> {
+    (fence_grace_ms.saturating_add(FENCE_MARGIN_MS) > node_grace_ms).then(|| {
+        Rejection::precondition(format!(
+            "the agent's fence grace ({fence_grace_ms} ms) must be at least {FENCE_MARGIN_MS} ms shorter than the control plane's node grace ({node_grace_ms} ms): a fenced job could still be running when it is placed elsewhere"
+        ))
+    })
+}
+
+/// Why `node` may not report for `allocation`, if it may not. The node of an allocation never
+/// changes, so even a replica that is behind answers this correctly; a missing allocation is
+/// left to apply (this replica may not have applied its placement yet).
+pub fn allocation_node_refusal(
+    cluster: &ClusterState,
+    allocation: u64,
+    node: &str,
+) -> Option<Rejection> {
+    let rec = cluster.allocations.get(&allocation)?;
+    (rec.allocation.node != node).then(|| {
+        Rejection::precondition(format!(
+            "allocation {allocation} belongs to node {}, not {node}",
+            rec.allocation.node
+        ))
+    })
+}
+
+/// The command an allocation report asks for.
+pub fn report_command(req: pa::AllocationReport) -> Result<Command, Rejection> {
+    use pa::allocation_report::Event;
+    let allocation = req.allocation_id;
+    let outcome = match Event::try_from(req.event) {
+        Ok(Event::Started) => return Ok(Command::AllocationStarted { allocation }),
+        Ok(Event::Succeeded) => TaskOutcome::Succeeded,
+        Ok(Event::Failed) => TaskOutcome::Failed {
+            exit_code: req.has_exit_code.then_some(req.exit_code),
+            signal: (req.signal != 0).then_some(req.signal),
+            reason: req.reason,
+        },
+        Ok(Event::TimedOut) => TaskOutcome::TimedOut,
+        Ok(Event::Lost) => TaskOutcome::Lost { reason: req.reason },
+        Ok(Event::Stopped) => TaskOutcome::Stopped,
+        _ => {
+            return Err(Rejection::invalid(
+                "event",
+                format!("unknown event {}", req.event),
+            ));
+        }
+    };
+    Ok(Command::AllocationExited {
+        allocation,
+        outcome,
+    })
 }
 
 /// The allocations `node` should run, as the agent sees them.
@@ -163,12 +219,8 @@ impl AgentApi for AgentService {
                 caller.require_node(&req.name)?;
                 require_live_leader(r, config)?;
                 let node_grace = config.node_grace.as_millis() as u64;
-                if req.fence_grace_ms.saturating_add(FENCE_MARGIN_MS) > node_grace {
-                    return Err(Rejection::precondition(format!(
-                        "the agent's fence grace ({} ms) must be at least {FENCE_MARGIN_MS} ms shorter than the control plane's node grace ({node_grace} ms): a fenced job could still be running when it is placed elsewhere",
-                        req.fence_grace_ms
-                    ))
-                    .into());
+                if let Some(refusal) = fence_grace_refusal(req.fence_grace_ms, node_grace) {
+                    return Err(refusal.into());
                 }
                 {
                     let data = r.sm.read_async().await;
@@ -333,44 +385,13 @@ impl AgentApi for AgentService {
                     // replica may not have applied its placement yet, and apply's NotFound (an
                     // exit reported before, or a node declared lost) is answered as success.
                     let data = r.sm.read_async().await;
-                    if let Some(rec) = data.cluster.allocations.get(&req.allocation_id)
-                        && rec.allocation.node != req.node
+                    if let Some(refusal) =
+                        allocation_node_refusal(&data.cluster, req.allocation_id, &req.node)
                     {
-                        return Err(Rejection::precondition(format!(
-                            "allocation {} belongs to node {}, not {}",
-                            req.allocation_id, rec.allocation.node, req.node
-                        ))
-                        .into());
+                        return Err(refusal.into());
                     }
                 }
-                use pa::allocation_report::Event;
-                let allocation = req.allocation_id;
-                let outcome = match Event::try_from(req.event) {
-                    Ok(Event::Started) => None,
-                    Ok(Event::Succeeded) => Some(TaskOutcome::Succeeded),
-                    Ok(Event::Failed) => Some(TaskOutcome::Failed {
-                        exit_code: req.has_exit_code.then_some(req.exit_code),
-                        signal: (req.signal != 0).then_some(req.signal),
-                        reason: req.reason,
-                    }),
-                    Ok(Event::TimedOut) => Some(TaskOutcome::TimedOut),
-                    Ok(Event::Lost) => Some(TaskOutcome::Lost { reason: req.reason }),
-                    Ok(Event::Stopped) => Some(TaskOutcome::Stopped),
-                    _ => {
-                        return Err(Rejection::invalid(
-                            "event",
-                            format!("unknown event {}", req.event),
-                        )
-                        .into());
-                    }
-                };
-                let command = match outcome {
-                    None => Command::AllocationStarted { allocation },
-                    Some(outcome) => Command::AllocationExited {
-                        allocation,
-                        outcome,
-                    },
-                };
+                let command = report_command(req)?;
                 match r.write(command.by(caller.actor())).await? {
                     Outcome::Done
                     | Outcome::Rejected(Rejection {

@@ -229,8 +229,14 @@ impl Injector<'_> {
         client.deadline = self.timings.recover;
         client
             .call(|mut c, t| async move {
-                c.remove_replica(with_timeout(pb::RemoveReplicaRequest { id: victim }, t))
-                    .await
+                c.remove_replica(with_timeout(
+                    pb::RemoveReplicaRequest {
+                        id: victim,
+                        force: false,
+                    },
+                    t,
+                ))
+                .await
             })
             .await
             .with_context(|| format!("removing wiped replica {victim} from the membership"))?;

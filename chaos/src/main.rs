@@ -33,6 +33,8 @@ enum Output {
     Json,
 }
 
+// Parsed once per run; boxing the replica's many flags would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Start a local cluster (3 replicas, 3 simulated GPU hosts), run the workload and the

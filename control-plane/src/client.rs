@@ -169,6 +169,10 @@ pub struct Client {
     pub deadline: Duration,
     /// Limit for one attempt against one endpoint.
     pub attempt_timeout: Duration,
+    /// Whether a `DeadlineExceeded` that a replica answered is retried. Membership changes
+    /// turn this off: their `DeadlineExceeded` is a verdict (the new replica did not answer;
+    /// the change could not commit), and repeating the call would only repeat it.
+    pub retry_deadline_exceeded: bool,
 }
 
 impl Client {
@@ -187,6 +191,7 @@ impl Client {
             preferred: 0,
             deadline: Duration::from_secs(15),
             attempt_timeout: Duration::from_secs(5),
+            retry_deadline_exceeded: true,
         })
     }
 
@@ -242,7 +247,11 @@ impl Client {
                             self.endpoints[i]
                         ));
                     }
-                    Ok(Err(status)) if retryable(&status) => {
+                    Ok(Err(status))
+                        if retryable(&status)
+                            && (self.retry_deadline_exceeded
+                                || status.code() != tonic::Code::DeadlineExceeded) =>
+                    {
                         last = Some(Status::new(status.code(), with_causes(&status)))
                     }
                     Ok(Err(status)) => {
@@ -278,21 +287,8 @@ impl Client {
 
 pub use proto::transport::retryable;
 
-/// A status's message with the errors beneath it: a failed connection says only "transport
-/// error" at the top, and why (refused, a certificate the server rejected) below.
 fn with_causes(status: &Status) -> String {
-    use std::error::Error;
-    let mut message = status.message().to_owned();
-    let mut cause = status.source();
-    while let Some(e) = cause {
-        let text = e.to_string();
-        if !message.contains(&text) {
-            message.push_str(": ");
-            message.push_str(&text);
-        }
-        cause = e.source();
-    }
-    message
+    proto::transport::status_text(status)
 }
 
 /// Sets a per-attempt timeout on a request.

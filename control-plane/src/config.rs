@@ -96,6 +96,17 @@ impl Defaults {
     pub const MAX_AUDIT_RECORDS: u64 = 200_000;
     /// How often the leader checks whether finished jobs are due for compaction.
     pub const COMPACTION_INTERVAL_MS: u64 = 60_000;
+    /// `cluster add` promotes a learner to voter once it is at most this many entries behind
+    /// the leader's last log index...
+    pub const PROMOTE_MAX_LAG: u64 = 64;
+    /// ...and has stayed that close, answering every call, for this long.
+    pub const PROMOTE_STABLE_MS: u64 = 1_000;
+    /// A replica being added that has not answered the leader for this long is not added
+    /// (the learner is removed again); a membership change that has not committed after this
+    /// long is answered with `DeadlineExceeded` (it stays proposed).
+    pub const MEMBER_ANSWER_TIMEOUT_MS: u64 = 5_000;
+    /// A learner that answers but has not caught up within this long is not promoted.
+    pub const CATCH_UP_TIMEOUT_SECS: u64 = 600;
     pub const LOG_FILTER: &'static str =
         "info,openraft=off,sled=warn,h2=warn,tower=warn,hyper=warn";
 }
@@ -208,6 +219,19 @@ pub struct ReplicaArgs {
     /// ...and at most this many (the oldest are dropped first).
     #[arg(long, value_name = "RECORDS")]
     pub max_audit_records: Option<u64>,
+    /// `cluster add` promotes a learner once it is at most this many entries behind...
+    #[arg(long, value_name = "ENTRIES")]
+    pub promote_max_lag: Option<u64>,
+    /// ...and has stayed so, answering, for this long.
+    #[arg(long, value_name = "MS")]
+    pub promote_stable_ms: Option<u64>,
+    /// A replica being added that does not answer for this long is not added; a membership
+    /// change not committed after this long is answered with DeadlineExceeded.
+    #[arg(long, value_name = "MS")]
+    pub member_answer_timeout_ms: Option<u64>,
+    /// A learner that has not caught up within this long is not promoted.
+    #[arg(long, value_name = "SECS")]
+    pub catch_up_timeout_secs: Option<u64>,
 }
 
 /// How a replica secures its port.
@@ -236,6 +260,7 @@ pub struct ReplicaConfig {
     pub leader: LeaderConfig,
     pub otlp_endpoint: Option<String>,
     pub security: TransportSecurity,
+    pub membership: crate::membership::MembershipSettings,
 }
 
 pub fn parse_peers(s: &str) -> anyhow::Result<BTreeMap<NodeId, String>> {
@@ -470,6 +495,26 @@ impl ReplicaArgs {
             },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
             security,
+            membership: crate::membership::MembershipSettings {
+                max_lag: self
+                    .promote_max_lag
+                    .or(file.promote_max_lag)
+                    .unwrap_or(Defaults::PROMOTE_MAX_LAG),
+                stable: ms(self
+                    .promote_stable_ms
+                    .or(file.promote_stable_ms)
+                    .unwrap_or(Defaults::PROMOTE_STABLE_MS)),
+                answer_timeout: ms(self
+                    .member_answer_timeout_ms
+                    .or(file.member_answer_timeout_ms)
+                    .unwrap_or(Defaults::MEMBER_ANSWER_TIMEOUT_MS)
+                    .max(1)),
+                catch_up_timeout: std::time::Duration::from_secs(
+                    self.catch_up_timeout_secs
+                        .or(file.catch_up_timeout_secs)
+                        .unwrap_or(Defaults::CATCH_UP_TIMEOUT_SECS),
+                ),
+            },
         })
     }
 }

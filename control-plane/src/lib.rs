@@ -7,6 +7,7 @@
 //! - `raft/`: openraft wiring — type config, sled log store and state machine, peer network.
 //! - `api/`: gRPC services for clients and agents; validation, leader forwarding, conversions.
 //! - `replica`, `server`, `config`, `datadir`: one replica process and its data directory.
+//! - `membership`: adding and removing replicas safely; what `cluster status` reports.
 //! - `client`: the client library `gpuctl` and tests use (endpoint failover, retries).
 //! - `cli/`: `gpuctl`'s commands and their output, `gpuctl dev` and `gpuctl bench`.
 //! - `local_cluster`: replicas and simulated hosts as local processes (dev, benches, tests).
@@ -23,6 +24,7 @@ pub mod fuzz;
 pub mod group_commit;
 pub mod leader;
 pub mod local_cluster;
+pub mod membership;
 pub mod off_runtime;
 pub mod raft;
 pub mod replica;

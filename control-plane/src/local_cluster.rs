@@ -587,7 +587,12 @@ impl LocalCluster {
                 .copied()
                 .filter(|id| self.is_running(*id))
             {
-                statuses.push(self.status(id).await);
+                let s = self.status(id).await;
+                // A replica removed from the cluster takes no part any more.
+                if s.as_ref().is_some_and(|s| !s.removed.is_empty()) {
+                    continue;
+                }
+                statuses.push(s);
             }
             if let Some(Some(first)) = statuses.first() {
                 let leader = first.leader;

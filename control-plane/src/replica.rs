@@ -14,6 +14,8 @@ use tonic::transport::Channel;
 
 use crate::api::auth::Security;
 use crate::group_commit::GroupCommit;
+use crate::membership::MembershipSettings;
+use crate::raft::peers::PeerState;
 use crate::raft::state_machine::StateMachineStore;
 use crate::raft::{NodeId, Raft};
 use crate::state::{Command, Outcome, Rejection};
@@ -26,6 +28,9 @@ pub enum ApiError {
     },
     Rejected(Rejection),
     Unavailable(String),
+    /// An operation that did not finish in time (a membership change whose new replica never
+    /// answered, or that could not commit).
+    DeadlineExceeded(String),
     Internal(String),
     /// No credentials, or ones that are not (or no longer) valid.
     Unauthenticated(String),
@@ -56,6 +61,25 @@ pub struct Replica {
     pub transport: Transport,
     /// Authentication settings and refusal counters.
     pub security: Arc<Security>,
+    /// When each peer last answered, and whether this replica was removed.
+    pub peers: Arc<PeerState>,
+    /// How membership changes wait for a new replica (`membership`).
+    pub membership: MembershipSettings,
+    /// The membership change this replica is carrying out, if any (one at a time).
+    membership_busy: Mutex<Option<String>>,
+}
+
+/// Holds `Replica::membership_busy` for one change; clears it when dropped.
+pub struct MembershipChange(Arc<Replica>);
+
+impl Drop for MembershipChange {
+    fn drop(&mut self) {
+        *self
+            .0
+            .membership_busy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+    }
 }
 
 pub fn now_ms() -> u64 {
@@ -152,7 +176,47 @@ impl Replica {
             group_commit,
             transport,
             security,
+            peers: Arc::new(PeerState::default()),
+            membership: MembershipSettings::default(),
+            membership_busy: Mutex::new(None),
         }
+    }
+
+    /// The same replica sharing `peers` with its Raft network and peer service, and changing
+    /// membership with `settings`.
+    pub fn with_membership(mut self, peers: Arc<PeerState>, settings: MembershipSettings) -> Self {
+        self.peers = peers;
+        self.membership = settings;
+        self
+    }
+
+    /// Why this replica no longer serves, once it was removed from the cluster.
+    pub fn removed(&self) -> Option<String> {
+        self.peers.removed().map(|r| {
+            format!(
+                "replica {} was removed from cluster {:?} (membership at log index {}; {}); it takes no part in Raft and serves nothing: use another replica. To bring it back, stop it, wipe its data directory and `gpuctl cluster add` it again",
+                self.id, self.cluster, r.log_index, r.how
+            )
+        })
+    }
+
+    /// Starts a membership change described by `what`, or refuses while another is under way.
+    pub fn begin_membership_change(
+        self: &Arc<Self>,
+        what: String,
+    ) -> Result<MembershipChange, ApiError> {
+        let mut busy = self
+            .membership_busy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(other) = busy.as_ref() {
+            return Err(ApiError::Rejected(Rejection::precondition(format!(
+                "another membership change is under way on leader {} ({other}); retry when it has finished (`gpuctl cluster status` shows the members)",
+                self.id
+            ))));
+        }
+        *busy = Some(what);
+        Ok(MembershipChange(self.clone()))
     }
 
     /// This replica's notion of now, in ms since the Unix epoch.

@@ -23,6 +23,7 @@ use crate::raft::Raft;
 use crate::raft::log_store::LogStore;
 use crate::raft::network::PeerNetwork;
 use crate::raft::peer_service::PeerService;
+use crate::raft::peers::PeerState;
 use crate::raft::state_machine::StateMachineStore;
 use crate::replica::{Clock, Replica};
 use proto::agent::agent_api_server::AgentApiServer;
@@ -89,25 +90,34 @@ pub async fn run(
         .with_context(|| format!("cannot listen on {}", config.listen))?;
 
     let raft_config = Arc::new(config.tuning.openraft_config(&config.cluster)?);
+    let peers = Arc::new(PeerState::for_timing(
+        config.tuning.heartbeat_ms,
+        config.tuning.election_max_ms,
+    ));
     let network = PeerNetwork {
         cluster: config.cluster.clone(),
         transport: transport.clone(),
+        peers: peers.clone(),
     };
     let security = Arc::new(Security::new(transport.tls().cloned()));
     let raft = Raft::new(config.id, raft_config, network, log, sm.clone())
         .await
         .context("starting Raft")?;
-    let replica = Arc::new(Replica::new(
-        config.id,
-        config.cluster.clone(),
-        config.advertise.clone(),
-        raft.clone(),
-        sm,
-        committed,
-        Clock::System,
-        transport.clone(),
-        security.clone(),
-    ));
+    let replica = Arc::new(
+        Replica::new(
+            config.id,
+            config.cluster.clone(),
+            config.advertise.clone(),
+            raft.clone(),
+            sm,
+            committed,
+            Clock::System,
+            transport.clone(),
+            security.clone(),
+        )
+        .with_membership(peers.clone(), config.membership.clone()),
+    );
+    let removal_watcher = crate::membership::spawn_watcher(replica.clone());
     let reloader = transport
         .tls()
         .map(|t| t.spawn_reloader(TLS_RELOAD_INTERVAL));
@@ -121,9 +131,11 @@ pub async fn run(
     );
 
     let peer_service = RaftPeerServer::new(PeerService {
+        id: config.id,
         cluster: config.cluster.clone(),
         raft: raft.clone(),
         security,
+        peers,
     })
     .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
     .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
@@ -153,8 +165,9 @@ pub async fn run(
         Some(addr) => {
             let (id, advertise) = (config.id, config.advertise.clone());
             let transport = transport.clone();
+            let timeout = config.membership.longest_add() + Duration::from_secs(60);
             Some(tokio::spawn(async move {
-                join_cluster(&transport, &addr, id, &advertise).await
+                join_cluster(&transport, &addr, id, &advertise, timeout).await
             }))
         }
         None => None,
@@ -177,6 +190,7 @@ pub async fn run(
     };
     tracing::info!(id = config.id, "replica stopping");
     leader_loops.abort();
+    removal_watcher.abort();
     if let Some(r) = reloader {
         r.abort();
     }
@@ -214,12 +228,14 @@ async fn bootstrap(raft: &Raft, peers: &BTreeMap<u64, String>) -> anyhow::Result
 /// Asks the cluster (through any replica) to add this replica, retrying until a leader accepts.
 /// Errors that retrying cannot fix (a conflicting id or address, a certificate the cluster
 /// refuses) end the replica. The request goes over this replica's own certificate, which may
-/// add only itself.
+/// add only itself. The leader answers once this replica has caught up and become a voter
+/// (or says why not: it could not reach `advertise`, say), so each try may take `timeout`.
 async fn join_cluster(
     transport: &Transport,
     via: &str,
     id: u64,
     advertise: &str,
+    timeout: Duration,
 ) -> anyhow::Result<()> {
     let channel = transport
         .channel(via, ExpectedPeer::Replica)
@@ -231,8 +247,9 @@ async fn join_cluster(
             id,
             address: advertise.to_owned(),
             learner_only: false,
+            force: false,
         });
-        req.set_timeout(Duration::from_secs(60));
+        req.set_timeout(timeout);
         match client.add_replica(req).await {
             Ok(_) => {
                 tracing::info!(via, "joined the cluster");

@@ -123,6 +123,23 @@ pub fn retryable(status: &Status) -> bool {
     )
 }
 
+/// A status's message with the errors beneath it: a failed connection says only "transport
+/// error" at the top, and why (refused, a certificate the server rejected) below.
+pub fn status_text(status: &Status) -> String {
+    use std::error::Error;
+    let mut message = status.message().to_owned();
+    let mut cause = status.source();
+    while let Some(e) = cause {
+        let text = e.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        cause = e.source();
+    }
+    message
+}
+
 /// Resolves on SIGTERM or Ctrl-C.
 pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();

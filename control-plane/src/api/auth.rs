@@ -253,8 +253,21 @@ fn check_token(
     Ok(record.clone())
 }
 
-/// The caller of `request`. Errors are `Unauthenticated`, counted and logged.
+/// The caller of `request`. Errors are `Unauthenticated`, counted and logged; a replica that
+/// was removed from the cluster refuses every call with `Unavailable`, saying so (clients then
+/// try another replica).
 pub async fn authenticate<T>(replica: &Replica, request: &Request<T>) -> Result<Caller, ApiError> {
+    if let Some(why) = replica.removed() {
+        return Err(ApiError::Unavailable(why));
+    }
+    authenticate_caller(replica, request).await
+}
+
+/// `authenticate`, also on a removed replica (for `ClusterStatus`, which says it was removed).
+pub async fn authenticate_caller<T>(
+    replica: &Replica,
+    request: &Request<T>,
+) -> Result<Caller, ApiError> {
     let security = replica.security.clone();
     let conn = request.extensions().get::<ConnInfo>();
     let remote = conn

@@ -39,6 +39,7 @@ pub fn error_status(replica: &Replica, e: ApiError) -> Status {
             replica.id
         )),
         ApiError::Unavailable(m) => Status::unavailable(m),
+        ApiError::DeadlineExceeded(m) => Status::deadline_exceeded(m),
         ApiError::Internal(m) => Status::internal(m),
         ApiError::Unauthenticated(m) => Status::unauthenticated(m),
         ApiError::PermissionDenied(m) => Status::permission_denied(m),

@@ -1,11 +1,11 @@
 //! The `ControlPlane` gRPC service.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::Stream;
-use openraft::ChangeMembers;
 use proto::v1 as pb;
 use proto::v1::control_plane_client::ControlPlaneClient;
 use proto::v1::control_plane_server::ControlPlane;
@@ -13,10 +13,10 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::auth::{Action, Caller, authenticate};
+use super::auth::{Action, Caller, authenticate, authenticate_caller};
 use super::convert;
 use super::route::{error_status, forward_if_follower, route};
-use crate::raft::NodeId;
+use crate::membership;
 use crate::replica::{ApiError, Replica};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
 use crate::state::{
@@ -514,13 +514,14 @@ impl ControlPlane for ControlPlaneService {
         request: Request<pb::ClusterStatusRequest>,
     ) -> Result<Response<pb::ClusterStatusResponse>, Status> {
         let r = &self.replica;
-        let caller = authenticate(r, &request)
+        // Answered even by a removed replica, which says so.
+        let caller = authenticate_caller(r, &request)
             .await
             .map_err(|e| error_status(r, e))?;
         caller
             .require(Action::ReadCluster)
             .map_err(|e| error_status(r, e))?;
-        Ok(Response::new(cluster_status(r)))
+        Ok(Response::new(membership::status(r)))
     }
 
     #[tracing::instrument(level = "info", skip_all, name = "rpc.AddReplica")]
@@ -529,6 +530,8 @@ impl ControlPlane for ControlPlaneService {
         request: Request<pb::AddReplicaRequest>,
     ) -> Result<Response<pb::ClusterStatusResponse>, Status> {
         let r = &self.replica;
+        // Catching up may take minutes; a forwarded add waits as long as the leader may take.
+        let longest = r.membership.longest_add() + Duration::from_secs(30);
         route(
             r,
             request,
@@ -543,44 +546,15 @@ impl ControlPlane for ControlPlaneService {
                         req.id
                     )));
                 }
-                check_member_request(r, req.id, Some(&req.address))?;
-                r.require_leader()?;
-                let node = openraft::BasicNode::new(req.address.clone());
-                tracing::info!(id = req.id, address = %req.address, "adding replica as learner");
-                r.raft
-                    .add_learner(req.id, node, true)
+                // In a task of its own, so that a caller that gives up leaves no half-done add.
+                tokio::spawn(membership::add(r.clone(), caller, req))
                     .await
-                    .map_err(|e| membership_error(r, e))?;
-                if !req.learner_only {
-                    tracing::info!(id = req.id, "promoting replica to voter");
-                    r.raft
-                        .change_membership(
-                            ChangeMembers::AddVoterIds(BTreeSet::from([req.id])),
-                            false,
-                        )
-                        .await
-                        .map_err(|e| membership_error(r, e))?;
-                }
-                note_membership(
-                    r,
-                    &caller,
-                    "add_replica",
-                    req.id,
-                    format!(
-                        "added replica {} at {}{}",
-                        req.id,
-                        req.address,
-                        if req.learner_only {
-                            " as a learner"
-                        } else {
-                            ""
-                        }
-                    ),
-                )
-                .await;
-                Ok(cluster_status(r))
+                    .map_err(|e| ApiError::Internal(format!("the add task failed: {e}")))?
             },
-            |ch, req| async move { ControlPlaneClient::new(ch).add_replica(req).await },
+            |ch, mut req| async move {
+                req.set_timeout(longest);
+                ControlPlaneClient::new(ch).add_replica(req).await
+            },
         )
         .await
     }
@@ -596,40 +570,9 @@ impl ControlPlane for ControlPlaneService {
             request,
             |caller, req| async move {
                 caller.require(Action::ManageReplicas)?;
-                if let super::auth::Principal::Replica(name) = &caller.principal {
-                    return Err(ApiError::PermissionDenied(format!(
-                        "the certificate of {name} may not remove replicas; use an admin token or certificate"
-                    )));
-                }
-                check_member_request(r, req.id, None)?;
-                r.require_leader()?;
-                let membership = r.raft.metrics().borrow().membership_config.clone();
-                let voters: BTreeSet<NodeId> = membership.membership().voter_ids().collect();
-                let change = if voters.contains(&req.id) {
-                    if voters.len() == 1 {
-                        return Err(Rejection::precondition(
-                            "cannot remove the last voting replica",
-                        )
-                        .into());
-                    }
-                    ChangeMembers::RemoveVoters(BTreeSet::from([req.id]))
-                } else {
-                    ChangeMembers::RemoveNodes(BTreeSet::from([req.id]))
-                };
-                tracing::info!(id = req.id, "removing replica");
-                r.raft
-                    .change_membership(change, false)
+                tokio::spawn(membership::remove(r.clone(), caller, req))
                     .await
-                    .map_err(|e| membership_error(r, e))?;
-                note_membership(
-                    r,
-                    &caller,
-                    "remove_replica",
-                    req.id,
-                    format!("removed replica {}", req.id),
-                )
-                .await;
-                Ok(cluster_status(r))
+                    .map_err(|e| ApiError::Internal(format!("the remove task failed: {e}")))?
             },
             |ch, req| async move { ControlPlaneClient::new(ch).remove_replica(req).await },
         )
@@ -1077,22 +1020,6 @@ impl ControlPlane for ControlPlaneService {
     }
 }
 
-/// Records a membership change in the audit trail (openraft applies the change itself, so it
-/// has no command of its own). A failure to record is logged: the change has happened.
-async fn note_membership(r: &Replica, caller: &Caller, action: &str, id: NodeId, detail: String) {
-    let note = Command::AuditNote {
-        action: action.to_owned(),
-        target: format!("replica {id}"),
-        detail,
-    };
-    if let Err(e) = r.write(note.by(caller.actor())).await {
-        tracing::warn!(
-            ?e,
-            "recording a membership change in the audit trail failed"
-        );
-    }
-}
-
 /// Applies a node command and returns the node as it is afterwards. A command naming a node
 /// (or GPU) that does not exist is answered without adding an entry to the log, on the leader
 /// (a follower may not have applied a new node yet; it forwards).
@@ -1116,137 +1043,5 @@ async fn node_after(
                 .ok_or_else(|| Rejection::not_found(format!("node {node} does not exist")).into())
         }
         other => Err(unexpected(other)),
-    }
-}
-
-fn membership_error<E>(r: &Replica, e: openraft::error::RaftError<NodeId, E>) -> ApiError
-where
-    E: std::fmt::Display
-        + std::fmt::Debug
-        + openraft::TryAsRef<openraft::error::ForwardToLeader<NodeId, openraft::BasicNode>>,
-{
-    if let Some(f) = e.forward_to_leader() {
-        return crate::replica::not_leader(f);
-    }
-    ApiError::Rejected(Rejection::precondition(format!(
-        "membership change on replica {} failed: {e}",
-        r.id
-    )))
-}
-
-/// Refuses membership requests that would corrupt the id → address mapping.
-fn check_member_request(r: &Replica, id: NodeId, address: Option<&str>) -> Result<(), Rejection> {
-    if id == 0 {
-        return Err(Rejection::invalid("id", "replica ids start at 1"));
-    }
-    let membership = r.raft.metrics().borrow().membership_config.clone();
-    let nodes: BTreeMap<NodeId, String> = membership
-        .membership()
-        .nodes()
-        .map(|(id, n)| (*id, n.addr.clone()))
-        .collect();
-    match address {
-        Some(addr) => {
-            if addr.parse::<std::net::SocketAddr>().is_err() && !addr.contains(':') {
-                return Err(Rejection::invalid(
-                    "address",
-                    format!("{addr:?} is not host:port"),
-                ));
-            }
-            if let Some(existing) = nodes.get(&id)
-                && existing != addr
-            {
-                return Err(Rejection::invalid(
-                    "address",
-                    format!(
-                        "replica {id} is already a member at {existing}; remove it first to change its address"
-                    ),
-                ));
-            }
-            if let Some((other, _)) = nodes.iter().find(|(i, a)| **i != id && a.as_str() == addr) {
-                return Err(Rejection::invalid(
-                    "address",
-                    format!("{addr} already belongs to replica {other}"),
-                ));
-            }
-        }
-        None => {
-            if !nodes.contains_key(&id) {
-                return Err(Rejection::not_found(format!(
-                    "replica {id} is not a member"
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
-pub fn cluster_status(r: &Replica) -> pb::ClusterStatusResponse {
-    let m = r.raft.metrics().borrow().clone();
-    let membership = m.membership_config.membership();
-    let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
-    let matched: BTreeMap<NodeId, u64> = m
-        .replication
-        .as_ref()
-        .map(|rep| {
-            rep.iter()
-                .map(|(id, log)| (*id, log.map(|l| l.index).unwrap_or(0)))
-                .collect()
-        })
-        .unwrap_or_default();
-    let members = membership
-        .nodes()
-        .map(|(id, node)| pb::Member {
-            id: *id,
-            address: node.addr.clone(),
-            role: if voters.contains(id) {
-                "voter"
-            } else {
-                "learner"
-            }
-            .to_owned(),
-            matched_index: matched.get(id).copied().unwrap_or(0),
-        })
-        .collect();
-    let data = r.sm.read();
-    pb::ClusterStatusResponse {
-        cluster: r.cluster.clone(),
-        id: r.id,
-        leader: m.current_leader.unwrap_or(0),
-        term: m.current_term,
-        commit_index: r.commit_index(),
-        applied_index: m.last_applied.map(|l| l.index).unwrap_or(0),
-        last_log_index: m.last_log_index.unwrap_or(0),
-        snapshot_index: m.snapshot.map(|l| l.index).unwrap_or(0),
-        state: format!("{:?}", m.state).to_lowercase(),
-        members,
-        jobs: data.cluster.jobs.len() as u64,
-        nodes: data.cluster.nodes.len() as u64,
-        security_enforced: r.security.enforced,
-        certificates: r
-            .security
-            .certificates()
-            .into_iter()
-            .map(|(subject, not_after_ms)| pb::CertificateInfo {
-                subject,
-                not_after_ms,
-            })
-            .collect(),
-        refusals: r
-            .security
-            .counters
-            .snapshot()
-            .into_iter()
-            .chain(
-                r.security
-                    .tls
-                    .as_ref()
-                    .map(|t| ("tls_handshake", t.handshake_failures())),
-            )
-            .map(|(name, value)| pb::Counter {
-                name: name.to_owned(),
-                value,
-            })
-            .collect(),
     }
 }

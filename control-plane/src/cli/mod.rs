@@ -23,6 +23,7 @@ mod simulate;
 mod submit;
 mod tokens;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -72,6 +73,8 @@ pub struct Cli {
 /// admin identity).
 pub const DEV_DATA_DIR: &str = "./dev-data";
 
+// Parsed once per run; boxing the replica's many flags would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum Command {
     /// Submit a job: `gpuctl submit --gpus 2 --time 24:00:00 -- python train.py`.
@@ -191,9 +194,11 @@ pub struct QueueArgs {
 
 #[derive(Subcommand)]
 pub enum ClusterCommand {
-    /// Leader, term, commit and applied index, members.
+    /// The leader as known now, term, commit and applied index, and every member: role,
+    /// whether it answers, when it last did, matched index and lag.
     Status,
-    /// Add a replica: it joins as a learner, catches up, then becomes a voter.
+    /// Add a replica: it joins as a learner, and becomes a voter once it has caught up and
+    /// kept answering for a while; one that does not answer is not added.
     Add {
         #[arg(long)]
         id: u64,
@@ -202,11 +207,18 @@ pub enum ClusterCommand {
         /// Keep it a non-voting learner.
         #[arg(long)]
         learner: bool,
+        /// Promote it even if the new voters would not have a majority that answers now.
+        #[arg(long)]
+        force: bool,
     },
-    /// Remove a replica from the cluster.
+    /// Remove a replica from the cluster; the removed replica stops taking part and says why.
     Remove {
         #[arg(long)]
         id: u64,
+        /// Remove it even if the remaining voters would not have a majority that answers now
+        /// (the change then commits only once enough of them are back).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -469,49 +481,108 @@ async fn watch(
     }
 }
 
-async fn cluster_status_from_leader(
-    client: &mut Client,
-) -> anyhow::Result<pb::ClusterStatusResponse> {
-    let status = client
-        .call(|mut c, t| async move {
-            c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
-                .await
-        })
-        .await?;
-    // Ask the leader itself when possible: only it knows how far each member has replicated.
-    if status.leader != 0
-        && status.leader != status.id
-        && let Some(m) = status.members.iter().find(|m| m.id == status.leader)
-        && let Ok(mut leader) = Client::new(std::slice::from_ref(&m.address), &client.credentials)
-    {
-        leader.deadline = Duration::from_secs(2);
-        if let Ok(s) = leader
-            .call(|mut c, t| async move {
-                c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, t))
-                    .await
-            })
-            .await
+/// How long `cluster status` waits for each replica.
+const STATUS_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// Asks every replica in `addrs` at once (each with a short timeout); answers in the order
+/// given, or why one did not answer.
+async fn ask_statuses(
+    credentials: &crate::client::Credentials,
+    addrs: &[String],
+) -> Vec<Result<pb::ClusterStatusResponse, String>> {
+    let asks = addrs.iter().map(|addr| async move {
+        let mut c = credentials
+            .api_client(addr)
+            .map_err(|e| format!("{addr}: {e}"))?;
+        match tokio::time::timeout(
+            STATUS_TIMEOUT,
+            c.cluster_status(with_timeout(pb::ClusterStatusRequest {}, STATUS_TIMEOUT)),
+        )
+        .await
         {
-            return Ok(s);
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(format!("{addr}: {}", proto::transport::status_text(&s))),
+            Err(_) => Err(format!(
+                "{addr}: no answer within {} ms",
+                STATUS_TIMEOUT.as_millis()
+            )),
+        }
+    });
+    futures::future::join_all(asks).await
+}
+
+/// The answer of a replica that leads now (it says it is the leader and hears from a
+/// quorum), with the highest term if several claim it.
+fn current_leader(answers: &[pb::ClusterStatusResponse]) -> Option<pb::ClusterStatusResponse> {
+    answers
+        .iter()
+        .filter(|s| s.leader != 0 && s.leader == s.id && s.removed.is_empty())
+        .max_by_key(|s| s.term)
+        .cloned()
+}
+
+/// `cluster status`: every endpoint is asked at once, and the answer shown is the current
+/// leader's (only it knows how far each member has replicated and which ones answer). The
+/// members' own addresses are asked next when no endpoint leads. Without a leader anywhere,
+/// the answer with the highest term is shown; its leader is "none" until an election ends.
+pub async fn cluster_status_now(client: &Client) -> anyhow::Result<pb::ClusterStatusResponse> {
+    let credentials = &client.credentials;
+    let endpoints = client.endpoints().to_vec();
+    let mut errors = Vec::new();
+    let mut answers = Vec::new();
+    for a in ask_statuses(credentials, &endpoints).await {
+        match a {
+            Ok(s) => answers.push(s),
+            Err(e) => errors.push(e),
         }
     }
-    Ok(status)
+    if let Some(s) = current_leader(&answers) {
+        return Ok(s);
+    }
+    let asked: BTreeSet<String> = endpoints.iter().cloned().collect();
+    let more: BTreeSet<String> = answers
+        .iter()
+        .flat_map(|s| s.members.iter().map(|m| m.address.clone()))
+        .filter(|a| !asked.contains(a))
+        .collect();
+    let more: Vec<String> = more.into_iter().collect();
+    for s in ask_statuses(credentials, &more).await.into_iter().flatten() {
+        answers.push(s);
+    }
+    if let Some(s) = current_leader(&answers) {
+        return Ok(s);
+    }
+    answers
+        .into_iter()
+        .filter(|s| s.removed.is_empty())
+        .max_by_key(|s| (s.term, s.leader != 0))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "no replica of [{}] answered: {}",
+                endpoints.join(", "),
+                errors.join("; ")
+            )
+        })
 }
 
 async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> anyhow::Result<()> {
     let status = match command {
-        ClusterCommand::Status => cluster_status_from_leader(client).await?,
+        ClusterCommand::Status => cluster_status_now(client).await?,
         ClusterCommand::Add {
             id,
             address,
             learner,
+            force,
         } => {
-            // Catching up can take a while on a large log.
-            client.attempt_timeout = client.deadline.max(Duration::from_secs(60));
+            // The leader answers once the replica has caught up (a large snapshot may take
+            // minutes) or says why it has not; its `DeadlineExceeded` is final.
+            client.attempt_timeout = client.deadline.max(Duration::from_secs(3600));
+            client.retry_deadline_exceeded = false;
             let req = pb::AddReplicaRequest {
                 id,
                 address,
                 learner_only: learner,
+                force,
             };
             client
                 .call(|mut c, t| {
@@ -520,10 +591,12 @@ async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> a
                 })
                 .await?
         }
-        ClusterCommand::Remove { id } => {
+        ClusterCommand::Remove { id, force } => {
+            client.attempt_timeout = client.deadline.max(Duration::from_secs(60));
+            client.retry_deadline_exceeded = false;
             client
                 .call(|mut c, t| async move {
-                    c.remove_replica(with_timeout(pb::RemoveReplicaRequest { id }, t))
+                    c.remove_replica(with_timeout(pb::RemoveReplicaRequest { id, force }, t))
                         .await
                 })
                 .await?

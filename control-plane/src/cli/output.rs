@@ -315,6 +315,7 @@ pub fn nodes_table(nodes: &[pb::Node]) -> String {
 }
 
 pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
+    let leads = s.leader != 0 && s.leader == s.id;
     json!({
         "cluster": s.cluster,
         "answered_by": s.id,
@@ -325,11 +326,16 @@ pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
         "last_log_index": s.last_log_index,
         "snapshot_index": s.snapshot_index,
         "state": s.state,
+        "removed": if s.removed.is_empty() { Value::Null } else { json!(s.removed) },
+        "reachable_window_ms": s.reachable_window_ms,
         "jobs": s.jobs,
         "nodes": s.nodes,
         "members": s.members.iter().map(|m| json!({
             "id": m.id, "address": m.address, "role": m.role, "matched_index": m.matched_index,
             "leader": m.id == s.leader,
+            "reachable": m.reachable,
+            "last_contact_ms_ago": m.last_contact_ms_ago,
+            "lag": if leads { json!(m.lag) } else { Value::Null },
         })).collect::<Vec<_>>(),
         "security_enforced": s.security_enforced,
         "certificates": s.certificates.iter().map(|c| json!({
@@ -337,6 +343,37 @@ pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
         })).collect::<Vec<_>>(),
         "refusals": s.refusals.iter().map(|c| (c.name.clone(), json!(c.value))).collect::<serde_json::Map<_, _>>(),
     })
+}
+
+/// How many more voters the cluster can lose, from the leader's view of who answers.
+pub fn fault_tolerance_line(s: &pb::ClusterStatusResponse) -> Option<String> {
+    if s.leader == 0 || s.leader != s.id {
+        return None;
+    }
+    let voters: Vec<&pb::Member> = s.members.iter().filter(|m| m.role == "voter").collect();
+    let answering = voters.iter().filter(|m| m.reachable).count();
+    let quorum = voters.len() / 2 + 1;
+    let spare = answering.saturating_sub(quorum);
+    let mut line = format!(
+        "{} voters, {answering} answering, a majority is {quorum}: ",
+        voters.len()
+    );
+    if answering < quorum {
+        line.push_str("NO QUORUM, the cluster cannot commit");
+    } else if spare == 0 {
+        line.push_str("WARNING: losing one more voter stops the cluster");
+    } else {
+        line.push_str(&format!("the cluster survives the loss of {spare} more"));
+    }
+    Some(line)
+}
+
+fn ago(ms: Option<u64>) -> String {
+    match ms {
+        None => "never".into(),
+        Some(ms) if ms < 10_000 => format!("{ms} ms ago"),
+        Some(ms) => format!("{} s ago", ms / 1000),
+    }
 }
 
 /// Lines warning about certificates that expire within a month (or have expired).
@@ -355,11 +392,12 @@ pub fn certificate_warnings(s: &pb::ClusterStatusResponse, now_ms: u64) -> Vec<S
 }
 
 pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
+    let leads = s.leader != 0 && s.leader == s.id;
     let mut out = format!(
-        "cluster {}: leader {}, term {}, commit index {}, applied {} (answered by replica {}, {})\n\n",
+        "cluster {}: leader {}, term {}, commit index {}, applied {} (answered by replica {}, {})\n",
         s.cluster,
         if s.leader == 0 {
-            "none".to_owned()
+            "none known now".to_owned()
         } else {
             s.leader.to_string()
         },
@@ -369,6 +407,15 @@ pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
         s.id,
         s.state
     );
+    if !s.removed.is_empty() {
+        out.push_str(&format!("REMOVED: {}\n", s.removed));
+    }
+    if !leads {
+        out.push_str(
+            "(not the leader's view: which members answer, and how far they have replicated, only the leader knows)\n",
+        );
+    }
+    out.push('\n');
     let rows: Vec<Vec<String>> = s
         .members
         .iter()
@@ -381,15 +428,43 @@ pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
                 } else {
                     m.role.clone()
                 },
-                if s.id == s.leader {
+                // A follower hears only from the leader: of the others it knows nothing.
+                if !leads && m.id != s.id && m.id != s.leader {
+                    "-".to_owned()
+                } else if m.reachable {
+                    "yes".to_owned()
+                } else {
+                    "NO".to_owned()
+                },
+                if !leads && m.id != s.id && m.id != s.leader {
+                    "-".to_owned()
+                } else {
+                    ago(m.last_contact_ms_ago)
+                },
+                if leads {
                     m.matched_index.to_string()
                 } else {
                     "-".into()
                 },
+                if leads { m.lag.to_string() } else { "-".into() },
             ]
         })
         .collect();
-    out.push_str(&table(&["ID", "ADDRESS", "ROLE", "MATCHED_INDEX"], &rows));
+    out.push_str(&table(
+        &[
+            "ID",
+            "ADDRESS",
+            "ROLE",
+            "REACHABLE",
+            "LAST_CONTACT",
+            "MATCHED_INDEX",
+            "LAG",
+        ],
+        &rows,
+    ));
+    if let Some(line) = fault_tolerance_line(s) {
+        out.push_str(&format!("\n{line}\n"));
+    }
     out.push_str(&format!("\n{} jobs, {} nodes\n", s.jobs, s.nodes));
     if !s.security_enforced {
         out.push_str("\nSECURITY OFF: replica runs with --insecure (no TLS, no authentication)\n");

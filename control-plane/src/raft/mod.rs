@@ -6,6 +6,7 @@
 //! - `state_machine`: the in-memory `ClusterState` behind a lock, applied from the log, with
 //!   snapshots persisted in sled so a restart starts from the last snapshot.
 //! - `network` / `peer_service`: Raft RPCs between replicas as tonic calls.
+//! - `peers`: when each peer last answered, and whether this replica was removed.
 
 // openraft's StorageError is large by design; boxing it at every call would only add noise.
 #![allow(clippy::result_large_err)]
@@ -13,6 +14,7 @@
 pub mod log_store;
 pub mod network;
 pub mod peer_service;
+pub mod peers;
 pub mod snapshot_store;
 pub mod state_machine;
 #[cfg(test)]

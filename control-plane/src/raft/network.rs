@@ -3,7 +3,11 @@
 //!
 //! Error mapping follows openraft's expectations: a connection failure is `Unreachable` (Raft
 //! backs off), an error the remote Raft returned is `RemoteError`.
+//!
+//! Every answer and every failure is recorded in `PeerState` (when each peer last answered);
+//! a refused vote request that says this replica was removed is reported there too.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use openraft::BasicNode;
@@ -23,6 +27,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
 
+use super::peers::{PeerState, REMOVED_AT_HEADER, Removal};
 use super::{NodeId, TypeConfig};
 
 /// Creates clients for peers. Cloned into openraft.
@@ -31,6 +36,8 @@ pub struct PeerNetwork {
     pub cluster: String,
     /// TLS with this replica's certificate, expecting a replica's at the other end.
     pub transport: Transport,
+    /// Where answers and failures are recorded.
+    pub peers: Arc<PeerState>,
 }
 
 pub struct PeerClient {
@@ -39,6 +46,7 @@ pub struct PeerClient {
     addr: String,
     transport: Transport,
     client: Option<RaftPeerClient<Channel>>,
+    peers: Arc<PeerState>,
 }
 
 pub use proto::transport::lazy_channel;
@@ -53,6 +61,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
             addr: node.addr.clone(),
             transport: self.transport.clone(),
             client: None,
+            peers: self.peers.clone(),
         }
     }
 }
@@ -102,15 +111,42 @@ impl PeerClient {
             payload,
         });
         request.set_timeout(option.hard_ttl());
-        let mut client = self.client().map_err(RPCError::Unreachable)?;
+        let mut client = match self.client() {
+            Ok(c) => c,
+            Err(e) => {
+                self.peers.failed(self.target, e.to_string());
+                return Err(RPCError::Unreachable(e));
+            }
+        };
         let response = match rpc {
             Rpc::AppendEntries => client.append_entries(request).await,
             Rpc::Vote => client.vote(request).await,
             Rpc::InstallSnapshot => client.install_snapshot(request).await,
         };
         let response = match response {
-            Ok(r) => r.into_inner(),
+            Ok(r) => {
+                self.peers.heard_from(self.target);
+                r.into_inner()
+            }
             Err(status) => {
+                self.peers
+                    .failed(self.target, proto::transport::status_text(&status));
+                if let Some(index) = status
+                    .metadata()
+                    .get(REMOVED_AT_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok())
+                {
+                    self.peers.report_removal(Removal {
+                        log_index: index,
+                        how: format!(
+                            "replica {} at {} refused its vote request: {}",
+                            self.target,
+                            self.addr,
+                            status.message()
+                        ),
+                    });
+                }
                 return Err(match status.code() {
                     tonic::Code::Unavailable
                     | tonic::Code::DeadlineExceeded

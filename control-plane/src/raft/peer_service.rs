@@ -1,5 +1,11 @@
 //! Incoming Raft RPCs: decodes the envelope, refuses other clusters, hands the request to the
 //! local openraft instance and encodes its result (success or Raft error) back as JSON.
+//!
+//! Two checks of its own, for membership: a vote request from a replica that this replica's
+//! committed membership no longer has, and whose log does not reach that membership, is
+//! refused before Raft sees it (no term is raised) with `REMOVED_AT_HEADER`, which tells the
+//! candidate it was removed; and `NotifyRemoved`, the leader telling a replica just that.
+//! Every call is recorded as contact with the caller (`PeerState`).
 
 use std::sync::Arc;
 
@@ -10,7 +16,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::{Request, Response, Status};
 
-use super::Raft;
+use super::peers::{PeerState, REMOVED_AT_HEADER, Removal, RemovedNotice};
+use super::{NodeId, Raft};
 use crate::api::auth::{Security, require_replica_peer};
 
 /// An AppendEntries that takes this long to handle is logged (the leader's timeout for it is
@@ -18,10 +25,12 @@ use crate::api::auth::{Security, require_replica_peer};
 const SLOW_APPEND: std::time::Duration = std::time::Duration::from_millis(20);
 
 pub struct PeerService {
+    pub id: NodeId,
     pub cluster: String,
     pub raft: Raft,
     /// Only replica certificates may call (when security is on).
     pub security: Arc<Security>,
+    pub peers: Arc<PeerState>,
 }
 
 impl PeerService {
@@ -47,6 +56,38 @@ impl PeerService {
             payload,
         }))
     }
+
+    /// The refusal for a vote request from `candidate`, when this replica's committed
+    /// membership does not have it and the candidate's log stops before that membership: the
+    /// candidate was removed while it was away (a candidate that is a member again holds the
+    /// newer membership entry that says so, so its log reaches past this one).
+    fn removed_candidate(
+        &self,
+        candidate: NodeId,
+        last_log_id: Option<super::LogId>,
+    ) -> Option<Status> {
+        let m = self.raft.metrics().borrow().clone();
+        let log_id = (*m.membership_config.log_id())?;
+        let membership = m.membership_config.membership();
+        let committed = m.last_applied.is_some_and(|a| a.index >= log_id.index);
+        if !committed || membership.get_node(&candidate).is_some() || last_log_id >= Some(log_id) {
+            return None;
+        }
+        let voters: Vec<NodeId> = membership.voter_ids().collect();
+        let mut status = Status::failed_precondition(format!(
+            "replica {candidate} is not a member of cluster {:?}: the membership committed at log index {} (voters {voters:?}) does not include it, so replica {} refuses its vote request. It was removed; it must not campaign. To bring it back, stop it, wipe its data directory and `gpuctl cluster add` it again",
+            self.cluster, log_id.index, self.id
+        ));
+        status.metadata_mut().insert(
+            REMOVED_AT_HEADER,
+            log_id
+                .index
+                .to_string()
+                .parse()
+                .expect("a decimal number is valid metadata"),
+        );
+        Some(status)
+    }
 }
 
 #[tonic::async_trait]
@@ -57,6 +98,9 @@ impl RaftPeer for PeerService {
     ) -> Result<Response<RaftMessage>, Status> {
         let received = std::time::Instant::now();
         let req: openraft::raft::AppendEntriesRequest<super::TypeConfig> = self.decode(&request)?;
+        if let Some(leader) = req.vote.leader_id().voted_for() {
+            self.peers.heard_from(leader);
+        }
         let entries = req.entries.len();
         let result = self.raft.append_entries(req).await;
         let took = received.elapsed();
@@ -73,7 +117,17 @@ impl RaftPeer for PeerService {
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let req = self.decode(&request)?;
+        let req: openraft::raft::VoteRequest<NodeId> = self.decode(&request)?;
+        if let Some(candidate) = req.vote.leader_id().voted_for() {
+            if let Some(refusal) = self.removed_candidate(candidate, req.last_log_id) {
+                tracing::info!(
+                    candidate,
+                    "refused a vote request from a replica that is no longer a member"
+                );
+                return Err(refusal);
+            }
+            self.peers.heard_from(candidate);
+        }
         let result = self.raft.vote(req).await;
         self.encode(&result)
     }
@@ -82,8 +136,33 @@ impl RaftPeer for PeerService {
         &self,
         request: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let req = self.decode(&request)?;
+        let req: openraft::raft::InstallSnapshotRequest<super::TypeConfig> =
+            self.decode(&request)?;
+        if let Some(leader) = req.vote.leader_id().voted_for() {
+            self.peers.heard_from(leader);
+        }
         let result = self.raft.install_snapshot(req).await;
         self.encode(&result)
+    }
+
+    async fn notify_removed(
+        &self,
+        request: Request<RaftMessage>,
+    ) -> Result<Response<RaftMessage>, Status> {
+        let notice: RemovedNotice = self.decode(&request)?;
+        if notice.id != self.id {
+            return Err(Status::invalid_argument(format!(
+                "this is replica {}, not replica {}",
+                self.id, notice.id
+            )));
+        }
+        self.peers.report_removal(Removal {
+            log_index: notice.log_index,
+            how: format!(
+                "leader {} removed it from the membership at log index {}",
+                notice.by, notice.log_index
+            ),
+        });
+        self.encode(&())
     }
 }

@@ -219,6 +219,11 @@ pub struct ReplicaArgs {
     /// ...and at most this many (the oldest are dropped first).
     #[arg(long, value_name = "RECORDS")]
     pub max_audit_records: Option<u64>,
+    /// Also serve the gRPC health protocol, alone and in plaintext, on this address:
+    /// Kubernetes' grpc probes cannot present a certificate. Readiness is served as "" and
+    /// the API services' names, liveness as `liveness` (docs: deploy/kubernetes/README.md).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub health_listen: Option<String>,
     /// `cluster add` promotes a learner once it is at most this many entries behind...
     #[arg(long, value_name = "ENTRIES")]
     pub promote_max_lag: Option<u64>,
@@ -259,6 +264,8 @@ pub struct ReplicaConfig {
     pub tuning: RaftTuning,
     pub leader: LeaderConfig,
     pub otlp_endpoint: Option<String>,
+    /// Plaintext address serving only the gRPC health protocol (for probes).
+    pub health_listen: Option<String>,
     pub security: TransportSecurity,
     pub membership: crate::membership::MembershipSettings,
 }
@@ -494,6 +501,7 @@ impl ReplicaArgs {
                 audit_retention,
             },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
+            health_listen: self.health_listen.or(file.health_listen),
             security,
             membership: crate::membership::MembershipSettings {
                 max_lag: self

@@ -7,6 +7,7 @@
 //! - `raft/`: openraft wiring — type config, sled log store and state machine, peer network.
 //! - `api/`: gRPC services for clients and agents; validation, leader forwarding, conversions.
 //! - `replica`, `server`, `config`, `datadir`: one replica process and its data directory.
+//! - `health`: the gRPC health protocol — readiness and liveness for probes.
 //! - `membership`: adding and removing replicas safely; what `cluster status` reports.
 //! - `client`: the client library `gpuctl` and tests use (endpoint failover, retries).
 //! - `cli/`: `gpuctl`'s commands and their output, `gpuctl dev` and `gpuctl bench`.
@@ -22,6 +23,7 @@ pub mod datadir;
 pub mod dst;
 pub mod fuzz;
 pub mod group_commit;
+pub mod health;
 pub mod leader;
 pub mod local_cluster;
 pub mod membership;

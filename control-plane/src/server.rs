@@ -78,6 +78,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let transport = load_transport(&config)?;
+    // First, so that probes see "live, not ready" while a large data directory opens.
+    let health = crate::health::ReplicaHealth::new().await;
+    let health_port = match &config.health_listen {
+        Some(addr) => Some(health.serve_plaintext(addr).await?.1),
+        None => None,
+    };
     let dir = DataDir::open(&config.data_dir, &config.cluster, config.id)?;
     let log = LogStore::open(&dir.db).map_err(|e| dir.corrupt(e.to_string()))?;
     log.verify().map_err(|e| dir.corrupt(e))?;
@@ -118,6 +124,10 @@ pub async fn run(
         .with_membership(peers.clone(), config.membership.clone()),
     );
     let removal_watcher = crate::membership::spawn_watcher(replica.clone());
+    let health_reporter = health.spawn_reporter(
+        replica.clone(),
+        crate::health::HealthSettings::for_config(&config),
+    );
     let reloader = transport
         .tls()
         .map(|t| t.spawn_reloader(TLS_RELOAD_INTERVAL));
@@ -155,6 +165,7 @@ pub async fn run(
         .add_service(peer_service)
         .add_service(api)
         .add_service(agent_api)
+        .add_service(health.service())
         .serve_with_incoming_shutdown(transport.incoming(listener), shutdown);
     let mut server = tokio::spawn(server);
 
@@ -191,6 +202,10 @@ pub async fn run(
     tracing::info!(id = config.id, "replica stopping");
     leader_loops.abort();
     removal_watcher.abort();
+    health_reporter.abort();
+    if let Some(h) = health_port {
+        h.abort();
+    }
     if let Some(r) = reloader {
         r.abort();
     }

@@ -115,3 +115,34 @@ pub fn forward_if_follower(replica: &Replica) -> Result<(), ApiError> {
         _ => Ok(()),
     }
 }
+
+/// Longest a new leader waits for its state to include its predecessors' entries before it
+/// answers "retry" instead of checking a request against that state.
+const CURRENT_STATE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// For writes checked against this replica's state before they are proposed (a refusal then
+/// adds nothing to the log): forwards when another replica leads, and on the leader waits
+/// until its state machine has applied an entry of its own term. A leader just elected may
+/// still be applying entries its predecessor committed; a check against that state would
+/// refuse, say, a dependency on or a cancel of a job that was acknowledged moments ago.
+pub async fn current_leader_state(replica: &Replica) -> Result<(), ApiError> {
+    forward_if_follower(replica)?;
+    type Metrics = openraft::RaftMetrics<u64, openraft::BasicNode>;
+    let current = |m: &Metrics| {
+        m.current_leader == Some(replica.id)
+            && m.last_applied.map(|l| l.leader_id.term) == Some(m.current_term)
+    };
+    let mut metrics = replica.raft.metrics();
+    if current(&metrics.borrow()) {
+        return Ok(());
+    }
+    // Also wakes when another replica is known to lead, to forward to it.
+    let settled = |m: &Metrics| current(m) || m.current_leader.is_some_and(|l| l != replica.id);
+    let waited = tokio::time::timeout(CURRENT_STATE_WAIT, metrics.wait_for(settled)).await;
+    forward_if_follower(replica)?;
+    match waited {
+        Ok(Ok(m)) if current(&m) => Ok(()),
+        // Still no leader with a current state: the caller retries, and finds one.
+        _ => Err(ApiError::NotLeader { leader: None }),
+    }
+}

@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 
 use super::auth::{Action, Caller, authenticate, authenticate_caller};
 use super::convert;
-use super::route::{error_status, forward_if_follower, route};
+use super::route::{current_leader_state, error_status, route};
 use crate::membership;
 use crate::replica::{ApiError, Replica};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
@@ -248,7 +248,7 @@ impl ControlPlane for ControlPlaneService {
             request,
             |caller, req| async move {
                 caller.require(Action::SubmitJob)?;
-                forward_if_follower(r)?;
+                current_leader_state(r).await?;
                 let mut spec = convert::job_spec_from_proto(req.spec)?;
                 // No tenant given: a user's own, or `default`.
                 if spec.tenant.is_empty() {
@@ -303,7 +303,7 @@ impl ControlPlane for ControlPlaneService {
                 // On the leader, whose applied state holds every job a client can know of: a
                 // refused cancel is answered without adding an entry to the log. A follower
                 // may lag, so it leaves the question to the leader.
-                forward_if_follower(r)?;
+                current_leader_state(r).await?;
                 {
                     let data = r.sm.read_async().await;
                     if let Some(refusal) = data.cluster.cancel_refusal(req.id) {
@@ -761,7 +761,7 @@ impl ControlPlane for ControlPlaneService {
             request,
             |caller, req| async move {
                 caller.require(Action::ManageTokens)?;
-                forward_if_follower(r)?;
+                current_leader_state(r).await?;
                 let role = crate::state::ApiRole::parse(&req.role).ok_or_else(|| {
                     Rejection::invalid(
                         "role",
@@ -1029,7 +1029,7 @@ async fn node_after(
     node: &str,
     gpu: Option<&str>,
 ) -> Result<pb::Node, ApiError> {
-    forward_if_follower(r)?;
+    current_leader_state(r).await?;
     if let Some(refusal) = r.sm.read_async().await.cluster.node_refusal(node, gpu) {
         return Err(refusal.into());
     }

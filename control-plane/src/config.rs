@@ -578,6 +578,38 @@ mod tests {
     }
 
     #[test]
+    fn the_example_configuration_names_every_setting() {
+        use clap::Args;
+        let text = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/control-plane.example.toml"),
+        )
+        .unwrap();
+        // Set, or shown commented out with an example value.
+        let named: Vec<String> = text
+            .lines()
+            .filter_map(|l| {
+                let l = l.trim_start_matches('#').trim();
+                let (key, _) = l.split_once(" = ")?;
+                key.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b == b'_')
+                    .then(|| key.to_owned())
+            })
+            .collect();
+        let command = ReplicaArgs::augment_args(clap::Command::new("control-plane"));
+        let missing: Vec<String> = command
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .filter(|long| !matches!(*long, "config" | "help"))
+            .map(|long| long.replace('-', "_"))
+            .filter(|key| !named.contains(key))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "deploy/control-plane.example.toml does not name {missing:?}"
+        );
+    }
+
+    #[test]
     fn the_example_configuration_loads_and_asks_for_tls() {
         let example =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/control-plane.example.toml");

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use node_agent::runtime::{
     ExitKind, LaunchSpec, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason,
+    frame_line,
 };
 use serde_json::{Value, json};
 
@@ -76,22 +77,8 @@ pub fn scratch_dir() -> tempfile::TempDir {
     }
 }
 
-/// FNV-1a 64, the record log's line checksum.
-fn checksum(bytes: &[u8]) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    hash
-}
-
 fn line(json: &Value) -> Vec<u8> {
-    let json = serde_json::to_vec(json).expect("a Value encodes");
-    let mut out = format!("{:016x} ", checksum(&json)).into_bytes();
-    out.extend_from_slice(&json);
-    out.push(b'\n');
-    out
+    frame_line(&serde_json::to_vec(json).expect("a Value encodes"))
 }
 
 fn record(id: u64, stop: bool, exit: Option<ExitKind>) -> Value {
@@ -236,11 +223,13 @@ fn reframe(body: &[u8]) -> Vec<u8> {
             _ => text,
         };
         let json = without_pid(json);
-        out.extend_from_slice(format!("{:016x} ", checksum(&json)).as_bytes());
-        out.extend_from_slice(&json);
-        if newline {
-            out.push(b'\n');
-        }
+        let framed = frame_line(&json);
+        // `frame_line` ends the line; the input's last line may not have.
+        out.extend_from_slice(if newline {
+            &framed
+        } else {
+            &framed[..framed.len() - 1]
+        });
     }
     out
 }

@@ -38,6 +38,7 @@ pub use env::{
 };
 pub use journal::{UsageRecord, check_no_overlap, read_usage_journal};
 pub use ledger::MILLI_PER_GPU;
+pub use record_log::frame_line;
 pub use shim::{SHIM_EXECUTABLE, SHIM_PROTOCOL, SHIM_PROTOCOL_FLAG, shim_command, shim_main};
 pub use supervisor::Runtime;
 pub use types::{

@@ -314,9 +314,13 @@ fn checksum(bytes: &[u8]) -> u64 {
 }
 
 fn encode_line(line: &LineOut<'_>) -> Vec<u8> {
-    let json = serde_json::to_vec(line).expect("records always encode as JSON");
-    let mut bytes = format!("{:016x} ", checksum(&json)).into_bytes();
-    bytes.extend_from_slice(&json);
+    frame_line(&serde_json::to_vec(line).expect("records always encode as JSON"))
+}
+
+/// One line of the log for `json`: its checksum, a space, the JSON and a newline.
+pub fn frame_line(json: &[u8]) -> Vec<u8> {
+    let mut bytes = format!("{:016x} ", checksum(json)).into_bytes();
+    bytes.extend_from_slice(json);
     bytes.push(b'\n');
     bytes
 }

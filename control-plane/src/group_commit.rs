@@ -12,8 +12,10 @@ use std::sync::Arc;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::raft::state_machine::StateMachineStore;
 use crate::raft::{NodeId, Raft};
 use crate::replica::{ApiError, Clock, client_write_error};
+use crate::state::format::FormatVersion;
 use crate::state::{Command, Outcome, Request};
 
 /// Most commands in one entry. Bounds the entry's size (a submission encodes to under 1 KiB)
@@ -40,9 +42,11 @@ pub struct GroupCommit {
 
 impl GroupCommit {
     /// Starts the proposing task on the current tokio runtime.
-    pub fn start(id: NodeId, raft: Raft, clock: Clock) -> GroupCommit {
+    /// Entries are written in the applied cluster version's format (`state::format`), read
+    /// from `sm` at each proposal.
+    pub fn start(id: NodeId, raft: Raft, sm: StateMachineStore, clock: Clock) -> GroupCommit {
         let (queue, rx) = mpsc::unbounded_channel();
-        tokio::spawn(propose_loop(id, raft, clock, rx));
+        tokio::spawn(propose_loop(id, raft, sm, clock, rx));
         GroupCommit { queue }
     }
 
@@ -61,6 +65,7 @@ impl GroupCommit {
 async fn propose_loop(
     id: NodeId,
     raft: Raft,
+    sm: StateMachineStore,
     clock: Clock,
     mut rx: mpsc::UnboundedReceiver<QueuedWrite>,
 ) {
@@ -80,19 +85,30 @@ async fn propose_loop(
         }
         let raft = raft.clone();
         let at = clock.now_ms();
+        let format = sm.cluster_version();
         tokio::spawn(async move {
-            propose(id, &raft, at, batch).await;
+            propose(id, &raft, format, at, batch).await;
             drop(slot);
         });
     }
 }
 
 /// Proposes `batch` as one entry and answers each write with its own outcome.
-async fn propose(id: NodeId, raft: &Raft, at: u64, mut batch: Vec<QueuedWrite>) {
+async fn propose(
+    id: NodeId,
+    raft: &Raft,
+    format: FormatVersion,
+    at: u64,
+    mut batch: Vec<QueuedWrite>,
+) {
     if batch.len() == 1 {
         let QueuedWrite { command, reply } = batch.pop().expect("one write");
         let answer = raft
-            .client_write(Request { at, command })
+            .client_write(Request {
+                format,
+                at,
+                command,
+            })
             .await
             .map(|r| r.data)
             .map_err(|e| client_write_error(id, e));
@@ -103,7 +119,12 @@ async fn propose(id: NodeId, raft: &Raft, at: u64, mut batch: Vec<QueuedWrite>) 
         batch.into_iter().map(|w| (w.command, w.reply)).unzip();
     let count = commands.len();
     let command = Command::Batch { commands };
-    match raft.client_write(Request { at, command }).await {
+    let request = Request {
+        format,
+        at,
+        command,
+    };
+    match raft.client_write(request).await {
         Ok(resp) => match resp.data {
             Outcome::Batch(outcomes) if outcomes.len() == count => {
                 for (reply, outcome) in replies.into_iter().zip(outcomes) {

@@ -29,6 +29,7 @@ pub mod local_cluster;
 pub mod membership;
 pub mod off_runtime;
 pub mod raft;
+pub mod release;
 pub mod replica;
 pub mod scheduler;
 pub mod server;

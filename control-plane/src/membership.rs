@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use crate::api::auth::{Caller, Principal};
 use crate::config::Defaults;
 use crate::raft::NodeId;
-use crate::raft::peers::{Removal, RemovedNotice};
+use crate::raft::peers::{PeerBinary, Removal, RemovedNotice};
 use crate::replica::{ApiError, Replica};
 use crate::state::{Command, Rejection};
 
@@ -555,6 +555,8 @@ async fn notify_removed(r: &Replica, id: NodeId, address: &str, log_index: u64) 
         let mut request = tonic::Request::new(RaftMessage {
             cluster: r.cluster.clone(),
             payload,
+            format_max: crate::state::format::CURRENT,
+            release: crate::state::format::RELEASE.to_owned(),
         });
         request.set_timeout(NOTICE_TIMEOUT);
         RaftPeerClient::new(channel)
@@ -636,6 +638,22 @@ fn hears_from_quorum(
     })
 }
 
+/// What a member's binary is, as far as this replica knows (itself: its own).
+fn member_binary(r: &Replica, id: NodeId) -> pb::Member {
+    let binary = if id == r.id {
+        Some(PeerBinary::this())
+    } else {
+        r.peers.binary(id)
+    };
+    binary
+        .map(|b| pb::Member {
+            release: b.release_text(),
+            format_max: b.format_max,
+            ..Default::default()
+        })
+        .unwrap_or_default()
+}
+
 /// The answer to `ClusterStatus` from this replica.
 pub fn status(r: &Replica) -> pb::ClusterStatusResponse {
     let m = r.raft.metrics().borrow().clone();
@@ -691,6 +709,7 @@ pub fn status(r: &Replica) -> pb::ClusterStatusResponse {
                 } else {
                     0
                 },
+                ..member_binary(r, *id)
             }
         })
         .collect();
@@ -718,6 +737,13 @@ pub fn status(r: &Replica) -> pb::ClusterStatusResponse {
             format!("{:?}", m.state).to_lowercase()
         },
         members,
+        cluster_version: data.cluster.cluster_version.0,
+        release: crate::state::format::RELEASE.to_owned(),
+        cluster_version_pending: match leading.then(|| crate::leader::cluster_version::decision(r))
+        {
+            Some(crate::leader::cluster_version::Decision::Wait(why)) => why,
+            _ => String::new(),
+        },
         jobs: data.cluster.jobs.len() as u64,
         nodes: data.cluster.nodes.len() as u64,
         security_enforced: r.security.enforced,

@@ -163,7 +163,7 @@ impl Replica {
         transport: Transport,
         security: Arc<Security>,
     ) -> Replica {
-        let group_commit = GroupCommit::start(id, raft.clone(), clock);
+        let group_commit = GroupCommit::start(id, raft.clone(), sm.clone(), clock);
         Replica {
             id,
             cluster,
@@ -233,6 +233,11 @@ impl Replica {
     /// (`group_commit`).
     #[tracing::instrument(level = "debug", skip_all, fields(command = command.kind()), name = "raft.write")]
     pub async fn write(&self, command: Command) -> Result<Outcome, ApiError> {
+        // Refused before it costs an entry; apply checks again against the state it meets.
+        let version = crate::state::format::ClusterVersion(self.sm.cluster_version());
+        if let Err(r) = command.check_allowed_at(version) {
+            return Err(ApiError::Rejected(r));
+        }
         self.group_commit.write(command).await
     }
 

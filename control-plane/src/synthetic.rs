@@ -23,6 +23,7 @@ pub fn node_from_preset(
     let spec = SimulatedSpec::from_preset(preset, host)?;
     let inv = SimulatedBackend::new(spec)?.inventory()?;
     Ok(NodeSpec {
+        agent_release: String::new(),
         name: host.to_owned(),
         gpus: inv
             .gpus

@@ -976,6 +976,8 @@ async fn a_truncated_snapshot_is_refused_and_the_replica_keeps_its_state() {
         };
         let resp = raft
             .install_snapshot(RaftMessage {
+                format_max: 0,
+                release: String::new(),
                 cluster: "test".into(),
                 payload: serde_json::to_vec(&req).unwrap(),
             })

@@ -228,6 +228,8 @@ async fn each_service_takes_certificates_of_its_own_role_only() {
         let mut raft = RaftPeerClient::new(t.channel(&addr, ExpectedPeer::Replica).unwrap());
         let err = raft
             .vote(RaftMessage {
+                format_max: 0,
+                release: String::new(),
                 cluster: "test".into(),
                 payload: b"{}".to_vec(),
             })
@@ -617,6 +619,8 @@ async fn forged_and_replayed_raft_messages_change_nothing() {
     };
     let payload = serde_json::to_vec(&stale).unwrap();
     let msg = RaftMessage {
+        format_max: 0,
+        release: String::new(),
         cluster: "test".into(),
         payload,
     };
@@ -671,6 +675,8 @@ async fn forged_and_replayed_raft_messages_change_nothing() {
     );
     let err = raft
         .vote(RaftMessage {
+            format_max: 0,
+            release: String::new(),
             cluster: "other".into(),
             payload: b"{}".to_vec(),
         })

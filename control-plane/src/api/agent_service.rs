@@ -66,6 +66,7 @@ impl AgentService {
 /// The node a registration describes (validated by the caller: `validate_node_spec`).
 pub fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
     NodeSpec {
+        agent_release: req.agent_release,
         name: req.name,
         gpus: req
             .gpus

@@ -232,6 +232,7 @@ pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
         agent_address: node.spec.agent_address.clone(),
         driver: node.spec.driver.clone(),
         topology: node.spec.topology.iter().map(|row| row.join(" ")).collect(),
+        agent_release: node.spec.agent_release.clone(),
     }
 }
 
@@ -309,6 +310,8 @@ pub fn registration_from_spec(spec: &state::NodeSpec) -> proto::agent::RegisterN
         driver: spec.driver.clone(),
         fence_grace_ms: 0,
         incarnation: spec.incarnation.clone(),
+        // Simulated hosts run this release's agent code.
+        agent_release: crate::state::format::RELEASE.to_owned(),
     }
 }
 

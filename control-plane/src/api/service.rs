@@ -501,6 +501,7 @@ impl ControlPlane for ControlPlaneService {
                         .values()
                         .map(|n| convert::node_to_proto(n, cluster))
                         .collect(),
+                    release: crate::state::format::RELEASE.to_owned(),
                 })
             },
             |ch, req| async move { ControlPlaneClient::new(ch).list_nodes(req).await },

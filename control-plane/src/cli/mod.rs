@@ -404,10 +404,13 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await?;
             match fmt {
-                Format::Json => print_json(
-                    json!({"nodes": resp.nodes.iter().map(output::node_json).collect::<Vec<_>>()}),
-                ),
-                Format::Table => print!("{}", output::nodes_table(&resp.nodes)),
+                Format::Json => print_json(json!({
+                    "nodes": resp.nodes.iter().map(|n| output::node_json_with_skew(n, &resp.release)).collect::<Vec<_>>(),
+                    "control_plane_release": resp.release,
+                })),
+                Format::Table => {
+                    print!("{}", output::nodes_table(&resp.nodes, Some(&resp.release)))
+                }
             }
         }
         Command::Cluster { command } => cluster(&mut client, command, fmt).await?,

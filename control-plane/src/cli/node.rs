@@ -82,7 +82,7 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
     };
     match fmt {
         Format::Json => println!("{}", output::node_json(&node)),
-        Format::Table => print!("{}", output::nodes_table(std::slice::from_ref(&node))),
+        Format::Table => print!("{}", output::nodes_table(std::slice::from_ref(&node), None)),
     }
     Ok(())
 }

@@ -266,6 +266,7 @@ pub fn node_json(n: &pb::Node) -> Value {
         "cpu_milli": n.cpu_milli,
         "memory_mib": n.memory_mib,
         "registered_at_ms": n.registered_at_ms,
+        "agent_release": if n.agent_release.is_empty() { Value::Null } else { json!(n.agent_release) },
         "gpus": n.gpus.iter().map(|g| json!({
             "uuid": g.uuid, "index": g.index, "model": g.model, "memory_mib": g.memory_mib,
             "numa_node": if g.numa_node < 0 { Value::Null } else { json!(g.numa_node) },
@@ -275,7 +276,24 @@ pub fn node_json(n: &pb::Node) -> Value {
     })
 }
 
-pub fn nodes_table(nodes: &[pb::Node]) -> String {
+/// `control_plane_release` is the answering replica's: each agent's release is flagged
+/// against it (`release::Skew`).
+/// `node_json` with the agent's skew against `control_plane_release`: "same", "one-behind"
+/// or "unsupported".
+pub fn node_json_with_skew(n: &pb::Node, control_plane_release: &str) -> Value {
+    let mut value = node_json(n);
+    value["agent_skew"] = json!(match crate::release::Skew::of(
+        &n.agent_release,
+        control_plane_release
+    ) {
+        crate::release::Skew::Same => "same",
+        crate::release::Skew::OneBehind => "one-behind",
+        crate::release::Skew::Unsupported => "unsupported",
+    });
+    value
+}
+
+pub fn nodes_table(nodes: &[pb::Node], control_plane_release: Option<&str>) -> String {
     let rows: Vec<Vec<String>> = nodes
         .iter()
         .map(|n| {
@@ -296,6 +314,10 @@ pub fn nodes_table(nodes: &[pb::Node]) -> String {
                 unhealthy.to_string(),
                 format!("{}", n.cpu_milli / 1000),
                 format!("{}", n.memory_mib / 1024),
+                match control_plane_release {
+                    Some(cp) => agent_cell(&n.agent_release, cp),
+                    None => crate::release::agent_release_text(&n.agent_release),
+                },
             ]
         })
         .collect();
@@ -309,9 +331,19 @@ pub fn nodes_table(nodes: &[pb::Node]) -> String {
             "UNHEALTHY",
             "CPUS",
             "MEM_GIB",
+            "AGENT",
         ],
         &rows,
     )
+}
+
+/// An agent's release, flagged when it is not the control plane's.
+fn agent_cell(agent_release: &str, control_plane_release: &str) -> String {
+    let text = crate::release::agent_release_text(agent_release);
+    match crate::release::Skew::of(agent_release, control_plane_release) {
+        crate::release::Skew::Same => text,
+        skew => format!("{text} ({skew})"),
+    }
 }
 
 pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
@@ -336,7 +368,12 @@ pub fn status_json(s: &pb::ClusterStatusResponse) -> Value {
             "reachable": m.reachable,
             "last_contact_ms_ago": m.last_contact_ms_ago,
             "lag": if leads { json!(m.lag) } else { Value::Null },
+            "release": if m.release.is_empty() { Value::Null } else { json!(m.release) },
+            "format_max": if m.format_max == 0 { Value::Null } else { json!(m.format_max) },
         })).collect::<Vec<_>>(),
+        "cluster_version": s.cluster_version,
+        "release": s.release,
+        "cluster_version_pending": if s.cluster_version_pending.is_empty() { Value::Null } else { json!(s.cluster_version_pending) },
         "security_enforced": s.security_enforced,
         "certificates": s.certificates.iter().map(|c| json!({
             "subject": c.subject, "not_after_ms": c.not_after_ms,
@@ -447,6 +484,11 @@ pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
                     "-".into()
                 },
                 if leads { m.lag.to_string() } else { "-".into() },
+                if m.release.is_empty() {
+                    "-".to_owned()
+                } else {
+                    format!("{} (format {})", m.release, m.format_max)
+                },
             ]
         })
         .collect();
@@ -459,8 +501,19 @@ pub fn status_text(s: &pb::ClusterStatusResponse) -> String {
             "LAST_CONTACT",
             "MATCHED_INDEX",
             "LAG",
+            "RELEASE",
         ],
         &rows,
+    ));
+    out.push_str(&format!(
+        "\ncluster version {} (entries and snapshots are written in format {}){}\n",
+        s.cluster_version,
+        s.cluster_version,
+        if s.cluster_version_pending.is_empty() {
+            String::new()
+        } else {
+            format!("; not raised yet: {}", s.cluster_version_pending)
+        }
     ));
     if let Some(line) = fault_tolerance_line(s) {
         out.push_str(&format!("\n{line}\n"));

@@ -186,28 +186,36 @@ impl SimCluster {
         tuning.election_min_ms = election_ms;
         tuning.election_max_ms = election_ms + 1;
         let config = Arc::new(tuning.openraft_config(&self.name)?);
+        let peers = Arc::new(crate::raft::peers::PeerState::for_timing(
+            tuning.heartbeat_ms,
+            tuning.election_max_ms,
+        ));
         let network = SimNetworkFactory {
             net: self.net.clone(),
             from: id,
+            peers: peers.clone(),
         };
         let raft = Raft::new(id, config, network, log, sm.clone()).await?;
-        let replica = Arc::new(Replica::new(
-            id,
-            self.name.clone(),
-            format!("sim-{id}"),
-            raft.clone(),
-            sm,
-            committed,
-            Clock::Simulated {
-                epoch_ms: self.epoch_ms,
-                origin: self.clock_origin,
-                skew_ms,
-            },
-            // The simulation calls the services in process; callers carry the identities their
-            // certificates would give them (`sim_request_as`), and every check is enforced.
-            proto::transport::Transport::Plain,
-            Arc::new(crate::api::auth::Security::enforced_without_tls()),
-        ));
+        let replica = Arc::new(
+            Replica::new(
+                id,
+                self.name.clone(),
+                format!("sim-{id}"),
+                raft.clone(),
+                sm,
+                committed,
+                Clock::Simulated {
+                    epoch_ms: self.epoch_ms,
+                    origin: self.clock_origin,
+                    skew_ms,
+                },
+                // The simulation calls the services in process; callers carry the identities their
+                // certificates would give them (`sim_request_as`), and every check is enforced.
+                proto::transport::Transport::Plain,
+                Arc::new(crate::api::auth::Security::enforced_without_tls()),
+            )
+            .with_membership(peers, Default::default()),
+        );
         let liveness = Arc::new(Liveness::default());
         let leader_task = crate::leader::spawn(
             replica.clone(),

@@ -21,6 +21,7 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 
+use crate::raft::peers::{PeerBinary, PeerState};
 use crate::raft::{NodeId, Raft, TypeConfig};
 use crate::scheduler::score::{SplitMix64, mix64};
 
@@ -208,12 +209,16 @@ const REFUSED_RETRY: Duration = Duration::from_millis(40);
 pub struct SimNetworkFactory {
     pub net: SimNet,
     pub from: NodeId,
+    /// The sending replica's record of its peers, fed from answers as `raft::network` does
+    /// in production (the leader raises the cluster version from it).
+    pub peers: Arc<PeerState>,
 }
 
 pub struct SimPeer {
     net: SimNet,
     from: NodeId,
     target: NodeId,
+    peers: Arc<PeerState>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for SimNetworkFactory {
@@ -224,6 +229,7 @@ impl RaftNetworkFactory<TypeConfig> for SimNetworkFactory {
             net: self.net.clone(),
             from: self.from,
             target,
+            peers: self.peers.clone(),
         }
     }
 }
@@ -282,6 +288,9 @@ impl SimPeer {
                 return Err(network_error("connection reset"));
             }
         }
+        // Every simulated replica runs this binary.
+        self.peers.heard_from(self.target);
+        self.peers.report_binary(self.target, PeerBinary::this());
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
 }

@@ -121,6 +121,7 @@ pub fn node_spec(k: usize) -> NodeSpec {
         Vec::new()
     };
     NodeSpec {
+        agent_release: String::new(),
         name: name.into(),
         gpus,
         cpu_milli: 64_000,

@@ -9,6 +9,7 @@
 //!
 //! Time limits are enforced by the agents, which own the processes.
 
+pub mod cluster_version;
 pub mod liveness;
 
 use std::sync::Arc;
@@ -107,6 +108,8 @@ async fn leader_loops(
     let mut last_pass = Instant::now() - config.schedule_interval;
     let mut last_liveness_check = Instant::now();
     let mut last_compaction = Instant::now();
+    let mut last_version_check: Option<Instant> = None;
+    let mut version_wait: Option<String> = None;
     // How long to let changes land before the next pass: a pass that proposed something is
     // followed at once (more work is likely placeable); after one that found nothing to do,
     // wait `IDLE_SETTLE_FACTOR` times as long as that pass took (up to the interval), so that
@@ -163,8 +166,20 @@ async fn leader_loops(
                 return;
             }
         }
+        if last_version_check.is_none_or(|t| t.elapsed() >= VERSION_CHECK_INTERVAL) {
+            last_version_check = Some(Instant::now());
+            match cluster_version::raise_when_due(&replica, &mut version_wait).await {
+                Err(ApiError::NotLeader { .. }) => return,
+                Err(e) => tracing::warn!(?e, "raising the cluster version failed"),
+                Ok(()) => {}
+            }
+        }
     }
 }
+
+/// How often the leader checks whether the cluster version can be raised: after the last
+/// replica of a rolling upgrade restarts, within a second of its first answer.
+const VERSION_CHECK_INTERVAL: Duration = Duration::from_millis(500);
 
 /// Proposes a `CompactJobs` with this leader's retention when finished jobs are due for it,
 /// and a `CompactAudit` when the audit trail is.

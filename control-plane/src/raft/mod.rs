@@ -16,6 +16,7 @@ pub mod network;
 pub mod peer_service;
 pub mod peers;
 pub mod snapshot_store;
+pub mod state_codec;
 pub mod state_machine;
 #[cfg(test)]
 mod store_suite;

@@ -27,8 +27,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
 
-use super::peers::{PeerState, REMOVED_AT_HEADER, Removal};
+use super::peers::{PeerBinary, PeerState, REMOVED_AT_HEADER, Removal};
 use super::{NodeId, TypeConfig};
+use crate::state::format;
 
 /// Creates clients for peers. Cloned into openraft.
 #[derive(Clone)]
@@ -109,6 +110,8 @@ impl PeerClient {
         let mut request = tonic::Request::new(RaftMessage {
             cluster: self.cluster.clone(),
             payload,
+            format_max: format::CURRENT,
+            release: format::RELEASE.to_owned(),
         });
         request.set_timeout(option.hard_ttl());
         let mut client = match self.client() {
@@ -126,7 +129,12 @@ impl PeerClient {
         let response = match response {
             Ok(r) => {
                 self.peers.heard_from(self.target);
-                r.into_inner()
+                let r = r.into_inner();
+                self.peers.report_binary(
+                    self.target,
+                    PeerBinary::from_message(r.format_max, &r.release),
+                );
+                r
             }
             Err(status) => {
                 self.peers

@@ -16,9 +16,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::{Request, Response, Status};
 
-use super::peers::{PeerState, REMOVED_AT_HEADER, Removal, RemovedNotice};
+use super::peers::{PeerBinary, PeerState, REMOVED_AT_HEADER, Removal, RemovedNotice};
 use super::{NodeId, Raft};
 use crate::api::auth::{Security, require_replica_peer};
+use crate::state::format;
 
 /// An AppendEntries that takes this long to handle is logged (the leader's timeout for it is
 /// one heartbeat interval, 40 ms by default).
@@ -44,8 +45,19 @@ impl PeerService {
                 self.cluster, msg.cluster
             )));
         }
-        serde_json::from_slice(&msg.payload)
-            .map_err(|e| Status::invalid_argument(format!("undecodable Raft payload: {e}")))
+        serde_json::from_slice(&msg.payload).map_err(|e| {
+            // Most often an entry or snapshot from a newer release (the error says so): the
+            // leader keeps retrying, so say it here once per call, where the operator looks.
+            tracing::warn!(
+                sender_release = %PeerBinary::from_message(msg.format_max, &msg.release).release_text(),
+                "refused a Raft message this binary cannot decode: {e}"
+            );
+            Status::failed_precondition(format!(
+                "replica {} (release {}) cannot decode this Raft message: {e}",
+                self.id,
+                format::RELEASE
+            ))
+        })
     }
 
     fn encode<T: Serialize>(&self, result: &T) -> Result<Response<RaftMessage>, Status> {
@@ -54,6 +66,8 @@ impl PeerService {
         Ok(Response::new(RaftMessage {
             cluster: self.cluster.clone(),
             payload,
+            format_max: format::CURRENT,
+            release: format::RELEASE.to_owned(),
         }))
     }
 
@@ -100,6 +114,11 @@ impl RaftPeer for PeerService {
         let req: openraft::raft::AppendEntriesRequest<super::TypeConfig> = self.decode(&request)?;
         if let Some(leader) = req.vote.leader_id().voted_for() {
             self.peers.heard_from(leader);
+            let msg = request.get_ref();
+            self.peers.report_binary(
+                leader,
+                PeerBinary::from_message(msg.format_max, &msg.release),
+            );
         }
         let entries = req.entries.len();
         let result = self.raft.append_entries(req).await;

@@ -23,6 +23,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::NodeId;
+use crate::state::format::{self, FormatVersion};
 
 /// gRPC metadata key on a refused vote request: the log index of the committed membership
 /// that no longer includes the candidate.
@@ -56,8 +57,45 @@ pub struct Contact {
     pub last_error: Option<String>,
 }
 
+/// What a peer's binary is, as it last said in a Raft RPC (`RaftMessage`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerBinary {
+    /// The newest format of replicated data it reads.
+    pub format_max: FormatVersion,
+    /// Its release; empty for releases before 0.2, which did not say.
+    pub release: String,
+}
+
+impl PeerBinary {
+    /// This process's own binary.
+    pub fn this() -> PeerBinary {
+        PeerBinary {
+            format_max: format::CURRENT,
+            release: format::RELEASE.to_owned(),
+        }
+    }
+
+    /// From a message's fields: a release before 0.2 sends neither and reads format 1.
+    pub fn from_message(format_max: u32, release: &str) -> PeerBinary {
+        PeerBinary {
+            format_max: format_max.max(format::LEGACY),
+            release: release.to_owned(),
+        }
+    }
+
+    /// The release for an operator: "0.2.0", or "before 0.2" when it did not say.
+    pub fn release_text(&self) -> String {
+        if self.release.is_empty() {
+            "before 0.2".to_owned()
+        } else {
+            self.release.clone()
+        }
+    }
+}
+
 pub struct PeerState {
     contacts: Mutex<HashMap<NodeId, Contact>>,
+    binaries: Mutex<HashMap<NodeId, PeerBinary>>,
     /// A peer counts as reachable when it answered within this window...
     window: Duration,
     /// ...and calls to it have not been failing for this long.
@@ -72,6 +110,7 @@ impl PeerState {
     pub fn new(window: Duration, failing_grace: Duration) -> PeerState {
         PeerState {
             contacts: Mutex::new(HashMap::new()),
+            binaries: Mutex::new(HashMap::new()),
             window,
             failing_grace,
             reports: Mutex::new(Vec::new()),
@@ -115,6 +154,33 @@ impl PeerState {
     /// Forgets what is known about `id` (a replica about to be added under an id used before).
     pub fn forget(&self, id: NodeId) {
         self.contacts().remove(&id);
+        self.binaries().remove(&id);
+    }
+
+    fn binaries(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, PeerBinary>> {
+        self.binaries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `id` said what its binary is (in an answer or a call of its own).
+    pub fn report_binary(&self, id: NodeId, binary: PeerBinary) {
+        let mut known = self.binaries();
+        if known.get(&id) != Some(&binary) {
+            if let Some(before) = known.get(&id) {
+                tracing::info!(
+                    peer = id,
+                    from = %before.release_text(),
+                    to = %binary.release_text(),
+                    format_max = binary.format_max,
+                    "a peer now runs another release"
+                );
+            }
+            known.insert(id, binary);
+        }
+    }
+
+    /// What `id` last said its binary is; `None` until it has answered once.
+    pub fn binary(&self, id: NodeId) -> Option<PeerBinary> {
+        self.binaries().get(&id).cloned()
     }
 
     pub fn contact(&self, id: NodeId) -> Contact {

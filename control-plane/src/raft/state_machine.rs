@@ -6,8 +6,8 @@
 //! to a job is also published on a broadcast channel for `WatchJobs`.
 
 use std::borrow::Cow;
-use std::io::{BufReader, Read, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use openraft::storage::{RaftStateMachine, Snapshot};
@@ -22,9 +22,11 @@ pub use super::snapshot_store::SnapshotStore;
 use super::snapshot_store::{
     ChunkedBuf, Pacing, SnapshotData, Snapshots, StoredReader, release_freed_memory,
 };
+use super::state_codec;
 use super::{Entry, LogId, NodeId, StorageError, TypeConfig};
 use crate::off_runtime::at_background_priority;
-use crate::state::{ClusterState, Job, Outcome};
+use crate::state::format::{self, FormatVersion};
+use crate::state::{ClusterState, Command, Job, Outcome};
 
 /// How many job changes a slow watcher may fall behind before it is told to re-list.
 const EVENT_BUFFER: usize = 16 * 1024;
@@ -117,8 +119,8 @@ fn open_stored(mut reader: StoredReader) -> Result<(Meta, SnapshotData), String>
 
 /// Decodes a snapshot's state from its JSON, read a buffer at a time: the JSON of a large
 /// state is never whole in memory next to the state decoded from it.
-fn decode_state(data: SnapshotData) -> Result<StateMachineData, serde_json::Error> {
-    serde_json::from_reader(BufReader::with_capacity(256 * 1024, data))
+fn decode_state(data: SnapshotData) -> Result<StateMachineData, String> {
+    state_codec::read_state(data)
 }
 
 /// The state in a snapshot received from the leader, checked as a stored one is on a restart.
@@ -132,7 +134,7 @@ fn decode_received(bytes: &[u8]) -> std::io::Result<StateMachineData> {
             ),
         )
     };
-    let mut data: StateMachineData = serde_json::from_slice(bytes).map_err(|e| {
+    let mut data: StateMachineData = state_codec::read_state(bytes).map_err(|e| {
         invalid(format!(
             "its state does not decode (cut short or damaged?): {e}"
         ))
@@ -142,6 +144,33 @@ fn decode_received(bytes: &[u8]) -> std::io::Result<StateMachineData> {
         .check_consistency()
         .map_err(|e| invalid(format!("its state is inconsistent: {e}")))?;
     Ok(data)
+}
+
+/// Stops this replica before it applies an entry that raises the cluster version past what its
+/// binary reads: the entries after it are in a format it cannot decode, and applying the
+/// raise while refusing what follows would leave its state behind its peers' unnoticed. The
+/// storage error stops its Raft with this message in its log.
+fn refuse_unknown_cluster_version(entries: &[Entry]) -> Result<(), StorageError> {
+    for entry in entries {
+        let EntryPayload::Normal(request) = &entry.payload else {
+            continue;
+        };
+        if let Command::SetClusterVersion { version } = request.command.unattributed()
+            && *version > format::CURRENT
+        {
+            let message = format!(
+                "log entry {} raises the cluster version to {version}, but this binary (release {}) reads formats up to {}: upgrade this replica's binary to a release that reads format {version}",
+                entry.log_id.index,
+                format::RELEASE,
+                format::CURRENT
+            );
+            tracing::error!("{message}");
+            return Err(
+                StorageIOError::apply(entry.log_id, &std::io::Error::other(message)).into(),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A job as it was right after a log entry changed it.
@@ -160,6 +189,9 @@ struct Shared {
     snapshot_seq: AtomicU64,
     /// How long the last snapshot built held the state's read lock, in microseconds.
     snapshot_locked_us: AtomicU64,
+    /// The applied cluster version, readable without the state's lock: the format new
+    /// entries are proposed in (`group_commit`).
+    cluster_version: AtomicU32,
 }
 
 /// Cheap to clone: every clone shares the same state.
@@ -198,6 +230,7 @@ impl StateMachineStore {
         }
         let (events, _) = broadcast::channel(EVENT_BUFFER);
         let (applied, _) = watch::channel(data.last_applied.map(|l| l.index).unwrap_or(0));
+        let cluster_version = data.cluster.cluster_version.0;
         Ok(StateMachineStore {
             shared: Arc::new(Shared {
                 data: RwLock::new(data),
@@ -206,6 +239,7 @@ impl StateMachineStore {
                 applied,
                 snapshot_seq: AtomicU64::new(0),
                 snapshot_locked_us: AtomicU64::new(0),
+                cluster_version: AtomicU32::new(cluster_version),
             }),
         })
     }
@@ -259,6 +293,11 @@ impl StateMachineStore {
     /// How long the last snapshot built held the state's read lock (applies wait that long).
     pub fn last_snapshot_locked(&self) -> std::time::Duration {
         std::time::Duration::from_micros(self.shared.snapshot_locked_us.load(Ordering::Relaxed))
+    }
+
+    /// The applied cluster version: the format to propose new entries in.
+    pub fn cluster_version(&self) -> FormatVersion {
+        self.shared.cluster_version.load(Ordering::Acquire)
     }
 
     /// Changes whenever entries are applied (the value is the last applied index).
@@ -344,7 +383,8 @@ struct EncodedSnapshot {
 fn encode_snapshot(meta: &Meta, copy: StateMachineData) -> Result<EncodedSnapshot, StorageError> {
     let mut bytes = ChunkedBuf::default();
     let offset = write_header(&mut bytes, meta).map_err(|e| write_error(meta, &e))?;
-    serde_json::to_writer(&mut bytes, &copy).map_err(|e| StorageIOError::read_state_machine(&e))?;
+    state_codec::write_state(&mut bytes, &copy)
+        .map_err(|e| StorageIOError::read_state_machine(&e))?;
     Ok(EncodedSnapshot { bytes, offset })
 }
 
@@ -391,6 +431,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut events = Vec::new();
         let mut replies_last_index = None;
         let entries: Vec<Entry> = entries.into_iter().collect();
+        refuse_unknown_cluster_version(&entries)?;
         let heavy = entries.iter().any(|e| match &e.payload {
             EntryPayload::Normal(r) => r.command.is_heavy(),
             _ => false,
@@ -446,6 +487,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         } else {
             apply_all();
         }
+        self.shared
+            .cluster_version
+            .store(data.cluster.cluster_version.0, Ordering::Release);
         drop(data);
         if let Some(last) = replies_last_index {
             self.shared.applied.send_replace(last);
@@ -509,11 +553,15 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             Vec::new()
         };
         let index = meta.last_log_id.map(|l| l.index).unwrap_or(0);
+        let cluster_version = new_data.cluster.cluster_version.0;
         *self
             .shared
             .data
             .write()
             .expect("state machine lock poisoned") = new_data;
+        self.shared
+            .cluster_version
+            .store(cluster_version, Ordering::Release);
         tracing::info!(index, "snapshot installed");
         self.shared.applied.send_replace(index);
         if self.shared.events.receiver_count() > 0 {

@@ -60,6 +60,7 @@ impl World {
         partition: Option<&str>,
     ) {
         let spec = NodeSpec {
+            agent_release: String::new(),
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
@@ -385,6 +386,7 @@ impl World {
     /// Registers a node with explicit per-GPU NUMA nodes, MIG slices and labels.
     fn node_with(&mut self, name: &str, gpus: Vec<Gpu>, topology: &str, labels: &[(&str, &str)]) {
         let spec = NodeSpec {
+            agent_release: String::new(),
             name: name.into(),
             gpus,
             cpu_milli: 64_000,

@@ -574,6 +574,7 @@ mod tests {
         let mut d = Driver::new(EPOCH_MS);
         for n in 0..nodes {
             let spec = NodeSpec {
+                agent_release: String::new(),
                 name: format!("n{n}"),
                 gpus: (0..gpus)
                     .map(|i| Gpu {

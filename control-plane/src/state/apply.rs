@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 
 use super::command::{Command, JobPlacement, Outcome, Rejection, TaskOutcome};
+use super::format;
 use super::types::*;
 use super::validate;
 use super::{AllocationRecord, Applied, ClusterState, index_allocation};
@@ -40,6 +41,10 @@ impl ClusterState {
         index: u64,
         changed: &mut Vec<JobId>,
     ) -> Outcome {
+        // Every replica refuses alike, whatever binary it runs, so the states never differ.
+        if let Err(r) = command.check_allowed_at(self.cluster_version) {
+            return Outcome::Rejected(r);
+        }
         let outcome = match command {
             Command::SubmitJob {
                 spec,
@@ -110,6 +115,7 @@ impl ClusterState {
             // Nothing to change: the audit record is the point.
             Command::AuditNote { .. } => Outcome::Done,
             Command::CompactAudit { retention } => self.compact_audit(retention, at),
+            Command::SetClusterVersion { version } => self.set_cluster_version(*version),
             Command::Attributed { actor, command } => match **command {
                 Command::Batch { .. } | Command::Attributed { .. } => Outcome::Rejected(
                     Rejection::invalid("command", "an attributed command holds one plain command"),
@@ -133,6 +139,25 @@ impl ClusterState {
             self.last_applied_at = self.last_applied_at.max(at);
         }
         outcome
+    }
+
+    /// Raises the cluster version; never lowers it, and never past what this binary reads
+    /// (the state machine stops before applying such an entry: `raft::state_machine`).
+    fn set_cluster_version(&mut self, version: format::FormatVersion) -> Outcome {
+        if version > format::CURRENT {
+            return Outcome::Rejected(Rejection::precondition(format!(
+                "cluster version {version} is newer than this release reads ({})",
+                format::CURRENT
+            )));
+        }
+        if version < self.cluster_version.0 {
+            return Outcome::Rejected(Rejection::precondition(format!(
+                "the cluster version is {} and is never lowered (asked for {version})",
+                self.cluster_version.0
+            )));
+        }
+        self.cluster_version = format::ClusterVersion(version);
+        Outcome::Done
     }
 
     /// Checks a job spec against the cluster: what `validate_job_spec` cannot know alone.
@@ -476,6 +501,10 @@ impl ClusterState {
             self.gpu_node.insert(gpu.uuid.clone(), spec.name.clone());
         }
         let mut spec = spec.clone();
+        if !self.cluster_version.allows(2) {
+            // Format 1 has no such field; a format-1 replica would not keep it.
+            spec.agent_release.clear();
+        }
         let drained = self.nodes.get(&spec.name).is_some_and(|n| n.drained);
         if let Some(old) = self.nodes.get(&spec.name) {
             // Health is the control plane's record (Xid reports, uncordon), not the agent's:

@@ -25,6 +25,7 @@ struct NodeBuilder {
 fn node(name: &str, gpus: u32, model: &str) -> NodeBuilder {
     NodeBuilder {
         spec: NodeSpec {
+            agent_release: String::new(),
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
@@ -1580,3 +1581,5 @@ fn a_batch_inside_a_batch_is_refused_and_changes_nothing() {
     assert!(matches!(&outcomes[..], [Outcome::Rejected(r)] if r.message.contains("another batch")));
     assert_unchanged(&before, &h.state, "nested batch");
 }
+/// The cluster version and what it gates (`format.rs`).
+mod version_tests;

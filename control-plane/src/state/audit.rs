@@ -107,6 +107,7 @@ impl ClusterState {
             Command::Place { .. }
             | Command::CompactJobs { .. }
             | Command::CompactAudit { .. }
+            | Command::SetClusterVersion { .. }
             | Command::Batch { .. }
             | Command::Attributed { .. } => (String::new(), None),
         }

@@ -7,17 +7,32 @@ use serde::{Deserialize, Serialize};
 
 use super::access::TokenRecord;
 use super::audit::{Actor, AuditRetention};
+use super::format::{self, FormatVersion};
 use super::types::{
     AllocationId, GpuHealth, JobId, JobRetention, JobSpec, NodeSpec, NodeStatus, Partition, Tenant,
     Timestamp,
 };
 
-/// The Raft entry payload.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// The Raft entry payload. Encoded in the shape of its `format` (`format` module): format 1 as
+/// `{"at","command"}`, later ones as `{"format":N,"request":{"at","command"}}`.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Request {
+    /// The format the entry is written in: the cluster version when the leader proposed it.
+    pub format: FormatVersion,
     /// Leader's wall clock when it proposed the command (ms since the Unix epoch).
     pub at: Timestamp,
     pub command: Command,
+}
+
+impl Request {
+    /// A request in the format this binary writes by default (tests, tools, benchmarks).
+    pub fn new(at: Timestamp, command: Command) -> Request {
+        Request {
+            format: format::CURRENT,
+            at,
+            command,
+        }
+    }
 }
 
 /// One task of a job placed on GPUs of one node.
@@ -146,6 +161,13 @@ pub enum Command {
     CompactAudit {
         retention: AuditRetention,
     },
+    /// Raise the cluster version (`format`): from this entry on, entries and snapshots are
+    /// written in `version`'s format and its commands are accepted. Proposed by a leader once
+    /// every member reports a binary that reads it; never lowers the version. Introduced by
+    /// format 2 (a format-1 binary cannot decode it, and so stops rather than misapply).
+    SetClusterVersion {
+        version: FormatVersion,
+    },
     /// `command`, made by `actor` through the API: applied as `command`, and recorded in the
     /// audit trail when it changed the state. Holds neither a batch nor another `Attributed`.
     Attributed {
@@ -196,6 +218,37 @@ impl Command {
         }
     }
 
+    /// The format (cluster version) that introduced this kind of command: the cluster refuses
+    /// it below that version, since a replica on an older binary could not apply it.
+    /// `SetClusterVersion` itself is the exception that raises the version.
+    pub fn introduced_in(&self) -> FormatVersion {
+        match self {
+            Command::SetClusterVersion { .. } => 2,
+            Command::Batch { commands } => commands
+                .iter()
+                .map(Command::introduced_in)
+                .max()
+                .unwrap_or(format::LEGACY),
+            Command::Attributed { command, .. } => command.introduced_in(),
+            _ => format::LEGACY,
+        }
+    }
+
+    /// Refuses a command that `version` does not have yet. `SetClusterVersion` is what raises
+    /// the version, and is checked against the members' binaries instead
+    /// (`leader::cluster_version`).
+    pub fn check_allowed_at(&self, version: format::ClusterVersion) -> Result<(), Rejection> {
+        let needs = self.introduced_in();
+        if matches!(self, Command::SetClusterVersion { .. }) || version.allows(needs) {
+            return Ok(());
+        }
+        Err(Rejection::precondition(format!(
+            "{} needs cluster version {needs}, and the cluster is at {}: it is raised once every replica runs a release that reads format {needs} (`gpuctl cluster status` shows each replica's release)",
+            self.kind(),
+            version.0
+        )))
+    }
+
     /// Short name for spans, metrics and the audit trail.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -217,6 +270,7 @@ impl Command {
             Command::RevokeToken { .. } => "revoke_token",
             Command::AuditNote { .. } => "audit_note",
             Command::CompactAudit { .. } => "compact_audit",
+            Command::SetClusterVersion { .. } => "set_cluster_version",
             Command::Attributed { command, .. } => command.kind(),
         }
     }
@@ -301,6 +355,9 @@ impl fmt::Display for Command {
                 "compact audit max_age_ms={} max_records={}",
                 retention.max_age_ms, retention.max_records
             ),
+            Command::SetClusterVersion { version } => {
+                write!(f, "set cluster version={version}")
+            }
             Command::Attributed { actor, command } => {
                 write!(f, "{command} (by {} from {})", actor.principal, actor.from)
             }

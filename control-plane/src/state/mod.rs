@@ -10,6 +10,8 @@ mod apply_tests;
 pub mod audit;
 pub mod command;
 pub mod cow_map;
+mod envelope;
+pub mod format;
 pub mod free;
 #[cfg(test)]
 mod proptests;
@@ -79,6 +81,11 @@ pub struct ClusterState {
     /// The audit trail's limits, as last proposed by a leader.
     #[serde(default)]
     pub audit_retention: AuditRetention,
+    /// The format the cluster writes its log entries and snapshots in, and the newest
+    /// commands it accepts (`format`). Raised by `SetClusterVersion` only; absent (format 1)
+    /// in state written before versions existed.
+    #[serde(default, skip_serializing_if = "format::ClusterVersion::is_legacy")]
+    pub cluster_version: format::ClusterVersion,
     /// Derived indexes, rebuilt from the data above after a snapshot is loaded
     /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
     #[serde(skip)]
@@ -176,6 +183,7 @@ impl ClusterState {
             audit: self.audit.clone(),
             last_audit_seq: self.last_audit_seq,
             audit_retention: self.audit_retention,
+            cluster_version: self.cluster_version,
             index: Indexes::default(),
             cascaded: Vec::new(),
         }

@@ -45,6 +45,7 @@ fn fleet_node(k: usize) -> NodeSpec {
         _ => (6, MODELS[1], None),
     };
     NodeSpec {
+        agent_release: String::new(),
         name: name.into(),
         gpus: (0..count)
             .map(|i| Gpu {

@@ -83,6 +83,11 @@ pub struct NodeSpec {
     /// Identity of the agent process tree that registered this node (see `agent.proto`).
     #[serde(default)]
     pub incarnation: String,
+    /// The release of the agent that registered this node ("0.2.0"); empty for an agent
+    /// older than release 0.2, which did not report one. Introduced by format 2: left out
+    /// (kept empty) while the cluster version is lower, so the entry keeps format 1's shape.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agent_release: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -317,6 +317,7 @@ pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), Rejection> {
     node_text("node.agent_address", &spec.agent_address)?;
     node_text("node.driver", &spec.driver)?;
     node_text("node.incarnation", &spec.incarnation)?;
+    node_text("node.agent_release", &spec.agent_release)?;
     if spec.topology.len() > MAX_GPUS_PER_NODE as usize
         || spec
             .topology

@@ -191,6 +191,7 @@ impl Agent {
             driver: inv.driver.clone(),
             fence_grace_ms: self.config.fence_grace.as_millis() as u64,
             incarnation: self.incarnation.clone(),
+            agent_release: env!("CARGO_PKG_VERSION").to_owned(),
         }
     }
 

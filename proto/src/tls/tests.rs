@@ -32,6 +32,8 @@ impl RaftPeer for WhoAmI {
         r: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
         Ok(Response::new(RaftMessage {
+            format_max: 0,
+            release: String::new(),
             cluster: who(&r),
             payload: Vec::new(),
         }))

@@ -271,23 +271,28 @@ pub struct ReplicaConfig {
 }
 
 pub fn parse_peers(s: &str) -> anyhow::Result<BTreeMap<NodeId, String>> {
+    parse_members(s, "--peers")
+}
+
+/// `ID=HOST:PORT,...` as given to `flag` (`--peers`, or a restore's `--members`).
+pub fn parse_members(s: &str, flag: &str) -> anyhow::Result<BTreeMap<NodeId, String>> {
     let mut peers = BTreeMap::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (id, addr) = part
             .split_once('=')
-            .with_context(|| format!("--peers entry {part:?} is not ID=HOST:PORT"))?;
+            .with_context(|| format!("{flag} entry {part:?} is not ID=HOST:PORT"))?;
         let id: NodeId = id
             .trim()
             .parse()
-            .with_context(|| format!("--peers entry {part:?}: {id:?} is not a replica id"))?;
+            .with_context(|| format!("{flag} entry {part:?}: {id:?} is not a replica id"))?;
         if id == 0 {
-            bail!("--peers entry {part:?}: replica ids start at 1");
+            bail!("{flag} entry {part:?}: replica ids start at 1");
         }
         if !addr.contains(':') {
-            bail!("--peers entry {part:?}: {addr:?} is not HOST:PORT");
+            bail!("{flag} entry {part:?}: {addr:?} is not HOST:PORT");
         }
         if peers.insert(id, addr.trim().to_owned()).is_some() {
-            bail!("--peers names replica {id} twice");
+            bail!("{flag} names replica {id} twice");
         }
     }
     Ok(peers)

@@ -57,6 +57,12 @@ pub enum DataDirError {
         "data directory {path} was written by a newer gpu-control-plane (format {found}; this binary understands up to {FORMAT_VERSION}); upgrade the binary"
     )]
     NewerFormat { path: PathBuf, found: u32 },
+    #[error(
+        "data directory {path} exists and is not empty; a restore writes only into a new or empty directory: move the old one aside (or give another --data-dir) and run it again"
+    )]
+    NotEmpty { path: PathBuf },
+    #[error("cannot create data directory {path}: {detail}")]
+    Seeding { path: PathBuf, detail: String },
 }
 
 pub struct DataDir {
@@ -176,12 +182,94 @@ impl DataDir {
         })
     }
 
+    /// Creates the data directory of a replica that has never run, its database holding
+    /// what `fill` writes (an offline restore): on start, the replica takes it as its own
+    /// and does not bootstrap. `path` must be missing or an empty directory. The metadata file
+    /// is written last, so a restore that fails or is killed half-way leaves no directory a
+    /// replica would start from (a failure also removes what was written).
+    pub fn create_seeded(
+        path: &Path,
+        cluster: &str,
+        replica_id: u64,
+        fill: impl FnOnce(&sled::Db) -> Result<(), String>,
+    ) -> Result<(), DataDirError> {
+        let existed = path.exists();
+        if existed && !is_empty_dir(path) {
+            return Err(DataDirError::NotEmpty {
+                path: path.to_owned(),
+            });
+        }
+        let seeding = |detail: String| DataDirError::Seeding {
+            path: path.to_owned(),
+            detail,
+        };
+        let created = (|| {
+            fs::create_dir_all(path).map_err(|e| e.to_string())?;
+            let db = open_sled(&path.join(RAFT_DIR))?;
+            let identity = serde_json::to_vec(&Meta {
+                format_version: FORMAT_VERSION,
+                cluster: cluster.to_owned(),
+                replica_id,
+            })
+            .expect("Meta always serializes");
+            db.insert(IDENTITY_KEY, identity)
+                .map_err(|e| format!("writing the identity record: {e}"))?;
+            fill(&db)?;
+            db.flush()
+                .map_err(|e| format!("flushing the database: {e}"))?;
+            drop(db);
+            write_meta_durably(path, cluster, replica_id).map_err(|e| e.to_string())
+        })();
+        if let Err(detail) = created {
+            // Leave the directory as it was found: gone, or empty.
+            if existed {
+                if let Ok(entries) = fs::read_dir(path) {
+                    for e in entries.flatten() {
+                        let p = e.path();
+                        let _ = if p.is_dir() {
+                            fs::remove_dir_all(&p)
+                        } else {
+                            fs::remove_file(&p)
+                        };
+                    }
+                }
+            } else {
+                let _ = fs::remove_dir_all(path);
+            }
+            return Err(seeding(detail));
+        }
+        Ok(())
+    }
+
     pub fn corrupt(&self, detail: String) -> DataDirError {
         DataDirError::Corrupt {
             path: self.path.clone(),
             detail,
         }
     }
+}
+
+/// Whether `path` is a directory with nothing in it.
+pub fn is_empty_dir(path: &Path) -> bool {
+    fs::read_dir(path).is_ok_and(|mut entries| entries.next().is_none())
+}
+
+/// Writes `cluster.json` under a temporary name, syncs it and renames it into place, then
+/// syncs the directory: once this returns, the directory is a replica's.
+fn write_meta_durably(path: &Path, cluster: &str, replica_id: u64) -> std::io::Result<()> {
+    let meta = Meta {
+        format_version: FORMAT_VERSION,
+        cluster: cluster.to_owned(),
+        replica_id,
+    };
+    let tmp = path.join(format!("{META_FILE}.tmp"));
+    let bytes = serde_json::to_vec_pretty(&meta).expect("Meta always serializes");
+    let mut file = fs::File::create(&tmp)?;
+    std::io::Write::write_all(&mut file, &bytes)?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(&tmp, path.join(META_FILE))?;
+    fs::File::open(path)?.sync_all()
 }
 
 fn open_sled(path: &Path) -> Result<sled::Db, String> {

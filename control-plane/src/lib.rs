@@ -16,6 +16,7 @@
 //! - `fuzz/`: fuzz targets for hostile input and their stable-Rust harness (`gpucp-fuzz`).
 
 pub mod api;
+pub mod backup;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -3,6 +3,7 @@
 //! restarts, wiped data directories and membership changes.
 
 mod agents;
+mod backup;
 mod bad_input;
 mod basic;
 mod failover;

@@ -375,10 +375,12 @@ pub enum Action {
     ManageNodes,
     ManageTokens,
     ReadAudit,
+    /// Copy the whole replicated state (token hashes and audit trail included) for a backup.
+    SaveBackup,
 }
 
 impl Action {
-    pub const ALL: [Action; 11] = [
+    pub const ALL: [Action; 12] = [
         Action::SubmitJob,
         Action::CancelJob,
         Action::ReadJobs,
@@ -390,6 +392,7 @@ impl Action {
         Action::ManageNodes,
         Action::ManageTokens,
         Action::ReadAudit,
+        Action::SaveBackup,
     ];
 
     pub fn describe(self) -> &'static str {
@@ -405,6 +408,7 @@ impl Action {
             Action::ManageNodes => "manage nodes (drain, undrain, uncordon, inject faults)",
             Action::ManageTokens => "manage tokens (create, list, revoke)",
             Action::ReadAudit => "read the audit trail",
+            Action::SaveBackup => "save a backup of the cluster's state",
         }
     }
 }
@@ -661,6 +665,8 @@ mod tests {
         assert!(!allowed(ApiRole::User, Action::ManageNodes));
         assert!(!allowed(ApiRole::User, Action::ManageTenants));
         assert!(!allowed(ApiRole::User, Action::ManageReplicas));
+        assert!(!allowed(ApiRole::Operator, Action::SaveBackup));
+        assert!(!allowed(ApiRole::User, Action::SaveBackup));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod agent_service;
 pub mod auth;
+mod backup;
 pub mod convert;
 pub mod route;
 mod service;

@@ -25,11 +25,16 @@ use crate::state::{
 
 pub struct ControlPlaneService {
     replica: Arc<Replica>,
+    /// One backup copy at a time on this replica (each holds about the state's size in memory).
+    backups: Arc<tokio::sync::Semaphore>,
 }
 
 impl ControlPlaneService {
     pub fn new(replica: Arc<Replica>) -> Self {
-        ControlPlaneService { replica }
+        ControlPlaneService {
+            replica,
+            backups: Arc::new(tokio::sync::Semaphore::new(1)),
+        }
     }
 }
 
@@ -412,6 +417,15 @@ impl ControlPlane for ControlPlaneService {
     }
 
     type WatchJobsStream = JobEventStream;
+    type SaveSnapshotStream = super::backup::SnapshotChunkStream;
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.SaveSnapshot")]
+    async fn save_snapshot(
+        &self,
+        request: Request<pb::SaveSnapshotRequest>,
+    ) -> Result<Response<Self::SaveSnapshotStream>, Status> {
+        super::backup::save_snapshot(self.replica.clone(), self.backups.clone(), request).await
+    }
 
     #[tracing::instrument(level = "info", skip_all, name = "rpc.WatchJobs")]
     async fn watch_jobs(

@@ -3,6 +3,7 @@
 //! Each subcommand is a small function: build the request, call any replica through
 //! `Client`, print the answer.
 
+mod backup;
 mod bench;
 mod bench_e2e;
 mod bench_failover;
@@ -124,7 +125,7 @@ pub enum Command {
         #[arg(long, default_value_t = 0)]
         tail: u64,
     },
-    /// Replicas, leader, term and log indexes; add or remove replicas.
+    /// Replicas, leader, term and log indexes; add or remove replicas; back up and restore.
     Cluster {
         #[command(subcommand)]
         command: ClusterCommand,
@@ -220,6 +221,11 @@ pub enum ClusterCommand {
         #[arg(long)]
         force: bool,
     },
+    /// Backups: save the state to a file, restore replicas from one, inspect one.
+    Snapshot {
+        #[command(subcommand)]
+        command: backup::SnapshotCommand,
+    },
 }
 
 #[derive(Subcommand)]
@@ -294,6 +300,9 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { command, keep_data } => return bench::run(command, keep_data, cli.output),
         Command::Simulate { command } => return simulate::run(command, cli.output),
         Command::Certs { command } => return certs::run(command, cli.output),
+        Command::Cluster {
+            command: ClusterCommand::Snapshot { command },
+        } if backup::is_offline(&command) => return backup::run_offline(command, cli.output),
         _ => {}
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -570,6 +579,10 @@ pub async fn cluster_status_now(client: &Client) -> anyhow::Result<pb::ClusterSt
 
 async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> anyhow::Result<()> {
     let status = match command {
+        ClusterCommand::Snapshot {
+            command: backup::SnapshotCommand::Save { file },
+        } => return backup::save(client, &file, fmt).await,
+        ClusterCommand::Snapshot { .. } => unreachable!("offline commands run before this"),
         ClusterCommand::Status => cluster_status_now(client).await?,
         ClusterCommand::Add {
             id,

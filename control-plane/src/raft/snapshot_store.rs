@@ -382,6 +382,14 @@ impl ChunkedBuf {
     }
 }
 
+impl ChunkedBuf {
+    /// The bytes as they were written, a chunk at a time (each `SNAPSHOT_CHUNK_BYTES` but the
+    /// last).
+    pub(crate) fn into_chunks(self) -> impl Iterator<Item = Vec<u8>> {
+        self.full.into_iter().chain([self.buf])
+    }
+}
+
 impl Write for ChunkedBuf {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
         let full = &mut self.full;

@@ -119,8 +119,21 @@ fn open_stored(mut reader: StoredReader) -> Result<(Meta, SnapshotData), String>
 
 /// Decodes a snapshot's state from its JSON, read a buffer at a time: the JSON of a large
 /// state is never whole in memory next to the state decoded from it.
-fn decode_state(data: SnapshotData) -> Result<StateMachineData, String> {
+fn decode_state(data: impl Read) -> Result<StateMachineData, String> {
     state_codec::read_state(data)
+}
+
+/// Decodes a state stored as a snapshot stores it and checks it as a restart does (indexes
+/// rebuilt, consistency checked): what a replica would start from. `what` names the source in
+/// the error ("the stored snapshot").
+pub fn decode_checked_state(data: impl Read, what: &str) -> Result<StateMachineData, String> {
+    let mut data =
+        decode_state(data).map_err(|e| format!("{what}'s state does not decode: {e}"))?;
+    data.cluster.rebuild_indexes();
+    data.cluster
+        .check_consistency()
+        .map_err(|e| format!("{what} is inconsistent: {e}"))?;
+    Ok(data)
 }
 
 /// The state in a snapshot received from the leader, checked as a stored one is on a restart.
@@ -220,12 +233,7 @@ impl StateMachineStore {
         {
             let (_, state) = open_stored(reader)
                 .map_err(|e| format!("the stored snapshot does not decode: {e}"))?;
-            data = decode_state(state)
-                .map_err(|e| format!("the stored snapshot's state does not decode: {e}"))?;
-            data.cluster.rebuild_indexes();
-            data.cluster
-                .check_consistency()
-                .map_err(|e| format!("the stored snapshot is inconsistent: {e}"))?;
+            data = decode_checked_state(state, "the stored snapshot")?;
             release_freed_memory();
         }
         let (events, _) = broadcast::channel(EVENT_BUFFER);
@@ -369,6 +377,111 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             snapshot: Box::new(data),
         })
     }
+}
+
+/// The applied state's bytes exactly as a stored snapshot holds them after its header, for a
+/// backup: the same encoding (`encode_snapshot`), so whatever versioning it has applies to
+/// backups too. Held in memory in chunks, as a snapshot being built is.
+pub struct EncodedState {
+    pub meta: SnapshotMeta<NodeId, BasicNode>,
+    pub chunks: Vec<Vec<u8>>,
+}
+
+impl EncodedState {
+    pub fn len(&self) -> u64 {
+        self.chunks.iter().map(|c| c.len() as u64).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl StateMachineStore {
+    /// A copy of the applied state consistent at its last applied entry, and a snapshot meta
+    /// describing it. Cheap under the read lock: the large maps share their records with the
+    /// live state, as `build_snapshot`'s copy does.
+    pub fn consistent_copy(&self) -> (Meta, StateMachineData) {
+        let data = self.read();
+        let meta = SnapshotMeta {
+            last_log_id: data.last_applied,
+            last_membership: data.last_membership.clone(),
+            snapshot_id: match data.last_applied {
+                Some(l) => format!("{}-{}-backup", l.leader_id, l.index),
+                None => "--backup".into(),
+            },
+        };
+        let copy = StateMachineData {
+            last_applied: data.last_applied,
+            last_membership: data.last_membership.clone(),
+            cluster: data.cluster.snapshot_copy(),
+        };
+        (meta, copy)
+    }
+}
+
+/// Encodes a copy of the state as a snapshot stores it, without the snapshot's own header
+/// (pure CPU, like `encode_snapshot`: run it off the async runtime).
+pub fn encode_state(meta: Meta, copy: StateMachineData) -> Result<EncodedState, String> {
+    let encoded = encode_snapshot(&meta, copy).map_err(|e| e.to_string())?;
+    let mut skip = encoded.offset as usize;
+    let mut chunks = Vec::new();
+    for mut chunk in encoded.bytes.into_chunks() {
+        let cut = skip.min(chunk.len());
+        skip -= cut;
+        chunk.drain(..cut);
+        if !chunk.is_empty() {
+            chunks.push(chunk);
+        }
+    }
+    Ok(EncodedState { meta, chunks })
+}
+
+/// Stores `data` as the snapshot of a store that has none (an offline restore), encoded and
+/// stored as `build_snapshot` does, then reopens the store to check that a replica starts
+/// from it. Returns the stored length.
+pub fn seed_snapshot(db: &sled::Db, data: StateMachineData) -> Result<u64, String> {
+    let tree = db
+        .open_tree("snapshot")
+        .map_err(|e| format!("opening the snapshot tree: {e}"))?;
+    let snapshots = Snapshots::new(SnapshotStore::Sled(tree));
+    if snapshots
+        .reader()
+        .map_err(|e| format!("reading the snapshot tree: {e}"))?
+        .is_some()
+    {
+        return Err("the database already holds a snapshot".into());
+    }
+    let meta = SnapshotMeta {
+        last_log_id: data.last_applied,
+        last_membership: data.last_membership.clone(),
+        snapshot_id: match data.last_applied {
+            Some(l) => format!("{}-{}-restored", l.leader_id, l.index),
+            None => "--restored".into(),
+        },
+    };
+    let expected = data.last_applied;
+    let encoded = encode_snapshot(&meta, data).map_err(|e| e.to_string())?;
+    let mut writer = snapshots
+        .writer(Pacing::Urgent)
+        .map_err(|e| format!("storing the snapshot: {e}"))?;
+    encoded
+        .bytes
+        .store_into(&mut writer)
+        .map_err(|e| format!("storing the snapshot: {e}"))?;
+    let stored = writer
+        .finish()
+        .map_err(|e| format!("storing the snapshot: {e}"))?;
+    let bytes = stored.len();
+    drop(stored);
+    let reopened = StateMachineStore::open(db)?;
+    let applied = reopened.read().last_applied;
+    if applied != expected {
+        return Err(format!(
+            "the stored snapshot reloads at {applied:?}, not at {expected:?}"
+        ));
+    }
+    Ok(bytes)
 }
 
 /// A snapshot serialized in memory: the header, then the state's JSON from `offset`.

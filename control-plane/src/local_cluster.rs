@@ -32,6 +32,9 @@ pub struct ReplicaProcess {
     pub addr: String,
     pub data_dir: PathBuf,
     pub log_path: PathBuf,
+    /// Runs this replica instead of the cluster's program (same leading arguments), from its
+    /// next start on: a rolling upgrade has two versions side by side.
+    pub program: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -49,6 +52,9 @@ pub struct AgentProcess {
     pub state_dir: PathBuf,
     pub log_path: PathBuf,
     pub extra_args: Vec<String>,
+    /// Program and leading arguments that run this agent instead of the cluster's
+    /// `agent_program`, from its next start on (a rolling upgrade of agents).
+    pub program: Option<(PathBuf, Vec<String>)>,
     child: Option<Child>,
 }
 
@@ -138,6 +144,7 @@ impl LocalCluster {
                     addr: addr.clone(),
                     data_dir: root.join(format!("replica-{id}")),
                     log_path: root.join(format!("replica-{id}.log")),
+                    program: None,
                     child: None,
                 },
             );
@@ -274,6 +281,7 @@ impl LocalCluster {
                 state_dir: self.root.join(format!("agent-{name}")),
                 log_path: self.root.join(format!("agent-{name}.log")),
                 extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+                program: None,
                 child: None,
             },
         );
@@ -281,8 +289,10 @@ impl LocalCluster {
 
     pub fn start_agent(&mut self, name: &str) -> anyhow::Result<()> {
         let (program, args) = self
-            .agent_program
-            .clone()
+            .agents
+            .get(name)
+            .and_then(|a| a.program.clone())
+            .or_else(|| self.agent_program.clone())
             .context("no agent program configured for this cluster")?;
         let endpoints = self.endpoints().join(",");
         // The node name is the agent's key unless its extra args name it otherwise; its
@@ -361,6 +371,24 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// SIGTERM to an agent (what systemd or a DaemonSet's rollout sends), then waits up to
+    /// `grace` for it to exit (SIGKILL after that; then None). Its workloads keep running.
+    pub fn stop_agent(
+        &mut self,
+        name: &str,
+        grace: Duration,
+    ) -> anyhow::Result<Option<ExitStatus>> {
+        let a = self
+            .agents
+            .get_mut(name)
+            .with_context(|| format!("no agent {name}"))?;
+        let mut child = a
+            .child
+            .take()
+            .with_context(|| format!("agent {name} is not running"))?;
+        terminate(&mut child, grace)
+    }
+
     pub fn agent_log(&self, name: &str) -> String {
         std::fs::read_to_string(&self.agents[name].log_path).unwrap_or_default()
     }
@@ -375,6 +403,7 @@ impl LocalCluster {
                 addr: format!("127.0.0.1:{port}"),
                 data_dir: self.root.join(format!("replica-{id}")),
                 log_path: self.root.join(format!("replica-{id}.log")),
+                program: None,
                 child: None,
             },
         );
@@ -415,7 +444,7 @@ impl LocalCluster {
             .append(true)
             .open(&r.log_path)
             .with_context(|| format!("opening {}", r.log_path.display()))?;
-        let mut cmd = Command::new(&self.program);
+        let mut cmd = Command::new(r.program.as_ref().unwrap_or(&self.program));
         cmd.args(&self.program_args)
             .args([
                 "--id",
@@ -490,20 +519,7 @@ impl LocalCluster {
         let Some(mut child) = r.child.take() else {
             return Ok(None);
         };
-        // SAFETY: as in `signal`.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + grace;
-        loop {
-            if let Some(s) = child.try_wait()? {
-                return Ok(Some(s));
-            }
-            if Instant::now() >= deadline {
-                child.kill()?;
-                child.wait()?;
-                return Ok(None);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        terminate(&mut child, grace)
     }
 
     pub fn is_running(&self, id: u64) -> bool {
@@ -638,6 +654,25 @@ impl Drop for LocalCluster {
         for id in ids {
             let _ = self.stop(id, Duration::from_secs(5));
         }
+    }
+}
+
+/// SIGTERM to a child, then SIGKILL if it has not exited within `grace`; reaps it. Returns
+/// its exit status, or None when it took the SIGKILL.
+fn terminate(child: &mut Child, grace: Duration) -> anyhow::Result<Option<ExitStatus>> {
+    // SAFETY: kill(2) on our own child's pid, which we have not reaped yet.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + grace;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(Some(s));
+        }
+        if Instant::now() >= deadline {
+            child.kill()?;
+            child.wait()?;
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

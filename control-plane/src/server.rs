@@ -35,6 +35,9 @@ const MAX_PEER_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
 /// How often a replica or agent looks at its TLS files for a change (SIGHUP rereads at once).
 pub const TLS_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a stopping replica lets open calls finish once it has left Raft. Assignment
+/// streams end by themselves within a leadership check; a client's watch does not, and is cut.
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
 /// Loads the replica's TLS identity and checks that it is this replica's certificate.
 fn load_transport(config: &ReplicaConfig) -> anyhow::Result<Transport> {
@@ -159,6 +162,7 @@ pub async fn run(
     ))
     .max_decoding_message_size(MAX_REQUEST_BYTES);
     let leader_loops = crate::leader::spawn(replica.clone(), liveness, config.leader.clone());
+    let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .trace_fn(|req| tracing::debug_span!("grpc", path = %req.uri().path()))
@@ -166,8 +170,17 @@ pub async fn run(
         .add_service(api)
         .add_service(agent_api)
         .add_service(health.service())
-        .serve_with_incoming_shutdown(transport.incoming(listener), shutdown);
+        .serve_with_incoming_shutdown(transport.incoming(listener), async move {
+            let _ = drain_rx.await;
+        });
     let mut server = tokio::spawn(server);
+    let stopper = tokio::spawn(stop_on(
+        shutdown,
+        config.id,
+        raft.clone(),
+        drain_tx,
+        server.abort_handle(),
+    ));
 
     if dir.fresh && config.peers.keys().next() == Some(&config.id) {
         bootstrap(&raft, &config.peers).await?;
@@ -199,7 +212,13 @@ pub async fn run(
         }
         None => server.await,
     };
+    // Cut at the end of the drain: calls still open were given up on, not failed.
+    let served = match served {
+        Err(e) if e.is_cancelled() => Ok(Ok(())),
+        other => other,
+    };
     tracing::info!(id = config.id, "replica stopping");
+    stopper.abort();
     leader_loops.abort();
     removal_watcher.abort();
     health_reporter.abort();
@@ -214,6 +233,35 @@ pub async fn run(
         .context("server task panicked")?
         .context("serving gRPC")?;
     Ok(())
+}
+
+/// On `shutdown` (SIGTERM), leaves Raft first and only then stops serving. Stopping the server
+/// first would leave a leader that refuses every call yet goes on leading (its heartbeats still
+/// reach the followers, so none of them campaigns), and whose graceful shutdown waits for its
+/// agents' assignment streams, which end only once it stops leading: no write and no agent
+/// heartbeat anywhere until the process is killed, and every agent fencing its jobs once its
+/// lease runs out. Leaving Raft first lets the others elect a leader at once (a rolling
+/// upgrade's or restart's write gap is one election) and ends the streams; what is still open
+/// after [`DRAIN_LIMIT`] is cut.
+async fn stop_on(
+    shutdown: impl Future<Output = ()> + Send,
+    id: u64,
+    raft: Raft,
+    drain: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::AbortHandle,
+) {
+    shutdown.await;
+    tracing::info!(
+        id,
+        "replica stopping: leaving Raft, then draining connections"
+    );
+    if let Err(e) = raft.shutdown().await {
+        tracing::warn!(id, error = %e, "Raft did not shut down cleanly");
+    }
+    let _ = drain.send(());
+    tokio::time::sleep(DRAIN_LIMIT).await;
+    tracing::warn!(id, limit = ?DRAIN_LIMIT, "calls still open after the drain limit; cutting them");
+    server.abort();
 }
 
 /// Initializes a brand-new cluster with every member of `--peers`. Only the lowest id does

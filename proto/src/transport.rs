@@ -120,7 +120,22 @@ pub fn retryable(status: &Status) -> bool {
             | Code::Cancelled
             | Code::Unknown
             | Code::Aborted
-    )
+    ) || refused_by_goaway(status)
+}
+
+/// A call the server turned away with an HTTP/2 GOAWAY, as a replica that is shutting down
+/// (a rolling restart or upgrade) does with every new call on its open connections. tonic
+/// reports it as `Internal` ("h2 protocol error"), yet the call was not served there, and
+/// another replica, or this one once restarted, can serve it.
+fn refused_by_goaway(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            return h2.is_go_away() && h2.is_remote();
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// A status's message with the errors beneath it: a failed connection says only "transport

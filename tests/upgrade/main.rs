@@ -404,9 +404,49 @@ impl Upgrade {
         while let Some(id) = self.next_replica().await {
             self.upgrade_replica(id).await;
             self.check_stage(&format!("replica {id} upgraded"));
+            if self.new_replicas.len() < self.c.replicas.len() {
+                // An old replica is still a member: the new ones must keep writing format 1,
+                // which it reads.
+                self.expect_cluster_version_1(id).await;
+            }
             self.wait_writes_in_this_configuration(load).await;
         }
         self.check_stage("every replica upgraded, every agent on the previous release");
+        self.wait_cluster_version(control_plane::state::format::CURRENT)
+            .await;
+    }
+
+    /// While any member runs the previous release, the cluster stays at format 1, and a new
+    /// replica says why it does not raise it.
+    async fn expect_cluster_version_1(&self, id: u64) {
+        let status = self
+            .c
+            .status(id)
+            .await
+            .unwrap_or_else(|| panic!("replica {id} does not answer its status"));
+        assert_eq!(
+            status.cluster_version, 1,
+            "cluster version raised while a replica runs the previous release"
+        );
+    }
+
+    /// Until the leader reports cluster version `want`: raised once every replica runs the new
+    /// release, within a few checks of the last one's first answer.
+    async fn wait_cluster_version(&mut self, want: u32) {
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        loop {
+            if let Ok(l) = self.c.wait_for_leader(STEP_TIMEOUT).await
+                && l.cluster_version == want
+            {
+                self.mark(&format!("cluster version {want}"));
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster version did not reach {want} after every replica was upgraded"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// A replica not yet upgraded, the leader only when no other is left. Asked afresh each

@@ -438,7 +438,7 @@ impl Upgrade {
             if let Ok(l) = self.c.wait_for_leader(STEP_TIMEOUT).await
                 && l.cluster_version == want
             {
-                self.mark(&format!("cluster version {want}"));
+                self.mark(format!("cluster version {want}"));
                 return;
             }
             assert!(

@@ -123,16 +123,8 @@ impl DataDir {
                         path: path.to_owned(),
                     });
                 }
-                let meta = Meta {
-                    format_version: FORMAT_VERSION,
-                    cluster: cluster.to_owned(),
-                    replica_id,
-                };
                 // Written to a temporary name and renamed, so a crash never leaves half a file.
-                let tmp = path.join(format!("{META_FILE}.tmp"));
-                let bytes = serde_json::to_vec_pretty(&meta).expect("Meta always serializes");
-                fs::write(&tmp, bytes).map_err(io)?;
-                fs::rename(&tmp, &meta_path).map_err(io)?;
+                write_meta_durably(path, cluster, replica_id).map_err(io)?;
                 true
             }
             Err(e) => return Err(io(e)),

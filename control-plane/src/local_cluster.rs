@@ -357,15 +357,19 @@ impl LocalCluster {
         Ok(())
     }
 
-    pub fn kill_agent(&mut self, name: &str) -> anyhow::Result<()> {
+    /// The running process of agent `name`, no longer tracked as running.
+    fn take_agent_child(&mut self, name: &str) -> anyhow::Result<Child> {
         let a = self
             .agents
             .get_mut(name)
             .with_context(|| format!("no agent {name}"))?;
-        let mut child = a
-            .child
+        a.child
             .take()
-            .with_context(|| format!("agent {name} is not running"))?;
+            .with_context(|| format!("agent {name} is not running"))
+    }
+
+    pub fn kill_agent(&mut self, name: &str) -> anyhow::Result<()> {
+        let mut child = self.take_agent_child(name)?;
         child.kill()?;
         child.wait()?;
         Ok(())
@@ -378,14 +382,7 @@ impl LocalCluster {
         name: &str,
         grace: Duration,
     ) -> anyhow::Result<Option<ExitStatus>> {
-        let a = self
-            .agents
-            .get_mut(name)
-            .with_context(|| format!("no agent {name}"))?;
-        let mut child = a
-            .child
-            .take()
-            .with_context(|| format!("agent {name} is not running"))?;
+        let mut child = self.take_agent_child(name)?;
         terminate(&mut child, grace)
     }
 

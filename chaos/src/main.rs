@@ -20,6 +20,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 #[derive(Parser)]
 #[command(
     name = "chaos",
+    version,
     about = "Fault injection and invariant checking for gpu-control-plane"
 )]
 struct Cli {

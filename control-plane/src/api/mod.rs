@@ -1,6 +1,7 @@
 //! gRPC services for clients. Each handler is thin: convert the request, validate it, run it
 //! on this replica or forward it to the leader (`route`), convert the answer.
 
+mod agent_restart;
 pub mod agent_service;
 pub mod auth;
 mod backup;

@@ -1016,6 +1016,31 @@ impl ControlPlane for ControlPlaneService {
         .await
     }
 
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.RestartAgent")]
+    async fn restart_agent(
+        &self,
+        request: Request<pb::RestartAgentRequest>,
+    ) -> Result<Response<pb::RestartAgentResponse>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |caller, req| async move {
+                caller.require(Action::ManageNodes)?;
+                let connect = || agent_channel(r, &r.sm.read().cluster, &req.node);
+                super::agent_restart::restart_agent(
+                    &req.node,
+                    connect,
+                    &req,
+                    caller.principal_name(),
+                )
+                .await
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).restart_agent(req).await },
+        )
+        .await
+    }
+
     async fn who_am_i(
         &self,
         request: Request<pb::WhoAmIRequest>,

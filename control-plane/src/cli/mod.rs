@@ -3,6 +3,7 @@
 //! Each subcommand is a small function: build the request, call any replica through
 //! `Client`, print the answer.
 
+pub mod agent_rollout;
 mod backup;
 mod bench;
 mod bench_e2e;
@@ -242,6 +243,9 @@ pub enum NodeCommand {
     Undrain { node: String },
     /// Return an unhealthy GPU (UUID or index) to service.
     Uncordon { node: String, gpu: String },
+    /// Restart agents in place (e.g. onto a newly installed binary) without touching their
+    /// jobs, --max-unavailable at a time; each is checked first and waited for until ready.
+    RestartAgent(agent_rollout::RestartAgentArgs),
     /// Simulated hosts only: inject a hardware fault on a GPU (by index).
     Inject {
         node: String,

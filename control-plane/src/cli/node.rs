@@ -12,6 +12,9 @@ use crate::client::{Client, with_timeout};
 
 pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyhow::Result<()> {
     let node = match command {
+        NodeCommand::RestartAgent(args) => {
+            return super::agent_rollout::run(client, args, fmt).await;
+        }
         NodeCommand::Drain {
             node,
             evict,

@@ -220,6 +220,7 @@ impl AgentArgs {
                 stop_grace: Duration::from_secs(self.stop_grace_secs),
                 fence_grace: Duration::from_millis(self.fence_grace_ms),
                 transport,
+                reexec: None,
             },
             backend,
             simulated,
@@ -241,14 +242,16 @@ pub fn run_agent_process(
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();
+    let reexec = super::restart::Reexec::of_this_process(own_exe.clone());
     let (shim_program, shim_args) = crate::runtime::shim_command(own_exe, shim_subcommand);
-    let built = args.build(shim_program, shim_args)?;
+    let mut built = args.build(shim_program, shim_args)?;
+    built.config.reexec = Some(reexec.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(async move {
+    let stopped = runtime.block_on(async move {
         super::run(
             built.config,
             built.backend,
@@ -256,7 +259,14 @@ pub fn run_agent_process(
             proto::transport::shutdown_signal(),
         )
         .await
-    })
+    })?;
+    if stopped == super::Stopped::Restart {
+        // Tasks still blocked (a GPU event wait, a stuck file read) must not hold the restart.
+        runtime.shutdown_timeout(Duration::from_secs(2));
+        tracing::info!(program = %reexec.program.display(), "restarting in place; workloads keep running under their shims");
+        return Err(reexec.exec());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

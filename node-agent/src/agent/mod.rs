@@ -17,6 +17,7 @@
 pub mod cli;
 pub mod control;
 pub mod reconcile;
+pub mod restart;
 mod service;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -62,7 +63,22 @@ pub struct AgentConfig {
     pub fence_grace: Duration,
     /// TLS with the node's certificate (or plaintext with --insecure), both ways.
     pub transport: proto::transport::Transport,
+    /// How this agent starts itself again for an in-place restart; `None` where it runs
+    /// inside another program (tests), which then cannot restart it.
+    pub reexec: Option<restart::Reexec>,
 }
+
+/// Why [`run`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// The shutdown future resolved (SIGTERM, Ctrl-C).
+    Shutdown,
+    /// An in-place restart was asked for: the caller executes the agent's program again.
+    Restart,
+}
+
+/// This agent's release, reported at registration and by the Info RPC.
+pub const RELEASE: &str = env!("CARGO_PKG_VERSION");
 
 const TICK: Duration = Duration::from_millis(100);
 /// How often the agent looks at its TLS files for a change (SIGHUP rereads at once).
@@ -126,11 +142,38 @@ pub struct Agent {
     /// Asks for a tick now (a launch's start is then reported without waiting for the timer).
     tick_now: Notify,
     simulated: Option<Arc<SimulatedBackend>>,
+    /// When this execution of the agent started (an in-place restart keeps the pid, so this
+    /// is what tells the restarted agent from the old one).
+    started_at_ms: u64,
+    /// Set by the Restart RPC; stops the server, after which [`run`] returns `Restart`.
+    restart: Notify,
+    restart_requested: std::sync::atomic::AtomicBool,
+    /// Registrations so far. The assignment stream opens after the first: a registration
+    /// drops the sets received before it, so a stream opened earlier would leave the agent
+    /// without a set (not ready) until the leader re-sends it a second later.
+    registrations: tokio::sync::watch::Sender<u64>,
 }
 
 impl Agent {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("agent state lock poisoned")
+    }
+
+    /// Asks [`run`] to stop serving and return [`Stopped::Restart`]; the Restart RPC in
+    /// progress is answered first (the server drains in-flight calls before it stops).
+    fn request_restart(&self) {
+        self.restart_requested
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.restart.notify_one();
+    }
+
+    /// Registered, within its lease, and holding an assignment set of the current leader:
+    /// what a restarted agent must reach before a rollout moves to the next node.
+    fn ready(&self) -> bool {
+        let st = self.lock();
+        !st.fenced
+            && st.last_set.is_some()
+            && st.lease_renewed.is_some_and(|t| t.elapsed() < st.lease)
     }
 
     fn lease_file(&self) -> PathBuf {
@@ -191,7 +234,7 @@ impl Agent {
             driver: inv.driver.clone(),
             fence_grace_ms: self.config.fence_grace.as_millis() as u64,
             incarnation: self.incarnation.clone(),
-            agent_release: env!("CARGO_PKG_VERSION").to_owned(),
+            agent_release: RELEASE.to_owned(),
         }
     }
 
@@ -537,13 +580,14 @@ fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) ->
     r
 }
 
-/// Runs the agent until `shutdown` resolves. Workloads keep running across an agent restart.
+/// Runs the agent until `shutdown` resolves or a restart is asked for. Workloads keep
+/// running across an agent restart.
 pub async fn run(
     config: AgentConfig,
     backend: Arc<dyn GpuBackend>,
     simulated: Option<Arc<SimulatedBackend>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Stopped> {
     std::fs::create_dir_all(&config.state_dir)
         .with_context(|| format!("creating state directory {}", config.state_dir.display()))?;
     let inventory = backend.inventory().context("discovering GPUs")?;
@@ -584,8 +628,21 @@ pub async fn run(
         tick_now: Notify::new(),
         simulated,
         config,
+        started_at_ms: now_ms(),
+        restart: Notify::new(),
+        restart_requested: std::sync::atomic::AtomicBool::new(false),
+        registrations: tokio::sync::watch::Sender::new(0),
     });
     let transport = agent.config.transport.clone();
+    let restart_asked = {
+        let agent = agent.clone();
+        async move {
+            tokio::select! {
+                () = shutdown => {}
+                () = agent.restart.notified() => {}
+            }
+        }
+    };
     let control = ControlPlane::new(&agent.config.control_plane, &transport)?;
     let reloader = transport
         .tls()
@@ -595,7 +652,7 @@ pub async fn run(
         .add_service(proto::agent::node_agent_server::NodeAgentServer::new(
             service::NodeAgentService::new(agent.clone()),
         ))
-        .serve_with_incoming_shutdown(transport.incoming(listener), shutdown);
+        .serve_with_incoming_shutdown(transport.incoming(listener), restart_asked);
 
     let tasks = vec![
         tokio::spawn(session_loop(agent.clone(), control.clone())),
@@ -611,7 +668,14 @@ pub async fn run(
     save_job_index(&agent.config.state_dir, &agent.lock().job_allocations);
     tracing::info!("agent stopping; workloads keep running under their shims");
     served.context("serving the agent API")?;
-    Ok(())
+    if agent
+        .restart_requested
+        .load(std::sync::atomic::Ordering::SeqCst)
+    {
+        Ok(Stopped::Restart)
+    } else {
+        Ok(Stopped::Shutdown)
+    }
 }
 
 /// A random id, created once and kept in the state directory.
@@ -679,6 +743,7 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
             st.fence.term = st.fence.term.max(resp.term);
         }
         agent.publish_lease(now_ms() + lease.as_millis() as u64);
+        agent.registrations.send_modify(|n| *n += 1);
         tracing::info!(node = %agent.config.name, lease_ms = resp.lease_ms, term = resp.term, "registered");
         loop {
             tokio::time::sleep(interval).await;
@@ -728,6 +793,7 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
 }
 
 async fn assignment_loop(agent: Arc<Agent>, control: ControlPlane) {
+    let _ = agent.registrations.subscribe().wait_for(|n| *n > 0).await;
     loop {
         for (endpoint, mut client) in control.rotation() {
             let req = pa::WatchAssignmentsRequest {

@@ -1,5 +1,6 @@
-//! The agent's own gRPC API: job logs for `gpuctl logs`, and fault injection on simulated
-//! hosts for tests and chaos runs.
+//! The agent's own gRPC API: job logs for `gpuctl logs`, in-place restarts and what runs
+//! (`gpuctl node restart-agent`), and fault injection on simulated hosts for tests and chaos
+//! runs.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use proto::agent as pa;
 use proto::agent::node_agent_server::NodeAgent;
 use tonic::{Request, Response, Status};
 
-use super::Agent;
+use super::{Agent, RELEASE};
 use crate::gpu::GpuEvent;
 
 /// Most bytes of each stream one ReadLogs returns.
@@ -142,5 +143,61 @@ impl NodeAgent for NodeAgentService {
         sim.inject(event)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         Ok(Response::new(pa::InjectFaultResponse { gpu_uuid }))
+    }
+
+    async fn restart(
+        &self,
+        request: Request<pa::RestartRequest>,
+    ) -> Result<Response<pa::RestartResponse>, Status> {
+        self.require_replica(&request)?;
+        let req = request.into_inner();
+        let name = &self.agent.config.name;
+        let Some(reexec) = &self.agent.config.reexec else {
+            return Err(Status::failed_precondition(format!(
+                "node {name}'s agent runs inside another program and cannot restart itself"
+            )));
+        };
+        let next_release = reexec.next_release().await.map_err(|e| {
+            Status::failed_precondition(format!(
+                "node {name}'s agent will not restart: {e:#}; it keeps running release {RELEASE}"
+            ))
+        })?;
+        if !req.check_only {
+            tracing::warn!(
+                by = %req.requested_by,
+                program = %reexec.program.display(),
+                release = RELEASE,
+                next_release = %next_release,
+                "restarting in place on request; workloads keep running"
+            );
+            self.agent.request_restart();
+        }
+        Ok(Response::new(pa::RestartResponse {
+            release: RELEASE.to_owned(),
+            next_release,
+            program: reexec.program.display().to_string(),
+        }))
+    }
+
+    async fn info(
+        &self,
+        request: Request<pa::InfoRequest>,
+    ) -> Result<Response<pa::AgentInfo>, Status> {
+        self.require_replica(&request)?;
+        let agent = &self.agent;
+        let workloads = agent.lock().runtime.live().len();
+        Ok(Response::new(pa::AgentInfo {
+            release: RELEASE.to_owned(),
+            pid: std::process::id(),
+            started_at_ms: agent.started_at_ms,
+            ready: agent.ready(),
+            workloads: u32::try_from(workloads).unwrap_or(u32::MAX),
+            program: agent
+                .config
+                .reexec
+                .as_ref()
+                .map(|r| r.program.display().to_string())
+                .unwrap_or_default(),
+        }))
     }
 }

@@ -2,6 +2,7 @@
 //! `control-plane` processes, driven through the gRPC client and `gpuctl`, with SIGKILLs,
 //! restarts, wiped data directories and membership changes.
 
+mod agent_restart;
 mod agents;
 mod backup;
 mod bad_input;

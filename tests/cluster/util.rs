@@ -186,8 +186,16 @@ pub const LEASE_MS: u64 = 1500;
 
 /// Starts three replicas with short node leases and one simulated host per (name, preset).
 pub async fn start_with_agents(agents: &[(&str, &str)]) -> TestCluster {
+    start_with_agent_program(agents, (gpuctl_bin(), vec!["agent".into()])).await
+}
+
+/// [`start_with_agents`], every agent run by `program` (and its leading arguments).
+pub async fn start_with_agent_program(
+    agents: &[(&str, &str)],
+    program: (PathBuf, Vec<String>),
+) -> TestCluster {
     let mut c = describe(3, &FAST_LEASES);
-    c.agent_program = Some((gpuctl_bin(), vec!["agent".into()]));
+    c.agent_program = Some(program);
     let ports = free_ports(agents.len()).expect("ports");
     for ((name, preset), port) in agents.iter().zip(ports) {
         c.add_agent(

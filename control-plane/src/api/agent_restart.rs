@@ -195,7 +195,11 @@ mod tests {
         let ApiError::Rejected(r) = err else {
             panic!("a rejection")
         };
-        assert!(r.message.contains("Upgrade the control plane first"), "{}", r.message);
+        assert!(
+            r.message.contains("Upgrade the control plane first"),
+            "{}",
+            r.message
+        );
         assert!(refuse_unsupported_skew("n1", RELEASE).is_ok());
         if me.minor >= 1 {
             let behind = format!("{}.{}.7", me.major, me.minor - 1);

@@ -405,7 +405,9 @@ impl Action {
             Action::ManageReplicas => "add or remove replicas",
             Action::ManageTenants => "create or change tenants",
             Action::ManagePartitions => "create or change partitions",
-            Action::ManageNodes => "manage nodes (drain, undrain, uncordon, restart agents, inject faults)",
+            Action::ManageNodes => {
+                "manage nodes (drain, undrain, uncordon, restart agents, inject faults)"
+            }
             Action::ManageTokens => "manage tokens (create, list, revoke)",
             Action::ReadAudit => "read the audit trail",
             Action::SaveBackup => "save a backup of the cluster's state",

@@ -64,10 +64,12 @@ pub struct RolloutReport {
 
 impl RolloutReport {
     pub fn failures(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.checked
-            .iter()
-            .chain(&self.restarted)
-            .filter_map(|r| r.result.as_ref().err().map(|e| (r.node.as_str(), e.as_str())))
+        self.checked.iter().chain(&self.restarted).filter_map(|r| {
+            r.result
+                .as_ref()
+                .err()
+                .map(|e| (r.node.as_str(), e.as_str()))
+        })
     }
 }
 
@@ -157,7 +159,10 @@ async fn restart_one(
 }
 
 /// The nodes `--all [--partition P]` names: every node that is not down, by name.
-pub async fn all_nodes(client: &mut Client, partition: Option<&str>) -> anyhow::Result<Vec<String>> {
+pub async fn all_nodes(
+    client: &mut Client,
+    partition: Option<&str>,
+) -> anyhow::Result<Vec<String>> {
     let resp = client
         .call(|mut c, t| async move {
             c.list_nodes(with_timeout(pb::ListNodesRequest::default(), t))
@@ -236,7 +241,11 @@ fn progress_line(r: &NodeRestart) -> String {
             a.workloads_before,
             a.workloads_after
         ),
-        Err(e) => format!("{}: FAILED: {}\n", output::printable(&r.node), output::printable(e)),
+        Err(e) => format!(
+            "{}: FAILED: {}\n",
+            output::printable(&r.node),
+            output::printable(e)
+        ),
     }
 }
 
@@ -288,10 +297,7 @@ fn summary(report: &RolloutReport, check_only: bool) -> String {
         if report.not_started.is_empty() {
             String::new()
         } else {
-            format!(
-                "; paused, not restarted: {}",
-                report.not_started.join(", ")
-            )
+            format!("; paused, not restarted: {}", report.not_started.join(", "))
         }
     )
 }

@@ -82,7 +82,8 @@ impl Reexec {
 pub fn release_from_version_output(text: &str) -> Option<String> {
     let word = text.lines().next()?.split_whitespace().last()?;
     let mut parts = word.split('.');
-    let numeric = |p: Option<&str>| p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    let numeric =
+        |p: Option<&str>| p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
     (numeric(parts.next()) && numeric(parts.next())).then(|| word.to_owned())
 }
 
@@ -113,7 +114,10 @@ mod tests {
             args: vec![],
         };
         let err = r.next_release().await.unwrap_err().to_string();
-        assert!(err.contains("/bin/true --version printed no release"), "{err}");
+        assert!(
+            err.contains("/bin/true --version printed no release"),
+            "{err}"
+        );
         let missing = Reexec {
             program: "/nonexistent/node-agent".into(),
             args: vec![],

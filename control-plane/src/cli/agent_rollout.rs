@@ -31,9 +31,10 @@ pub struct RestartAgentArgs {
     /// With --all: only the nodes of this partition.
     #[arg(long, requires = "all")]
     pub partition: Option<String>,
-    /// Agents restarting at the same time.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_unavailable: u32,
+    /// Agents restarting at the same time: a count, or a percentage of the chosen nodes
+    /// ("10%", rounded up, as a DaemonSet's maxUnavailable).
+    #[arg(long, default_value = "1", value_parser = MaxUnavailable::parse)]
+    pub max_unavailable: MaxUnavailable,
     /// Longest wait, per node, for its restarted agent to be ready.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub wait: Duration,
@@ -41,6 +42,38 @@ pub struct RestartAgentArgs {
     /// supported release) and say what a restart would run; restart nothing.
     #[arg(long)]
     pub check: bool,
+}
+
+/// `--max-unavailable`: how many agents may restart at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxUnavailable {
+    Count(usize),
+    Percent(u32),
+}
+
+impl MaxUnavailable {
+    pub fn parse(text: &str) -> Result<MaxUnavailable, String> {
+        let bad =
+            || format!("{text:?}: give a count of at least 1 or a percentage from 1% to 100%");
+        match text.strip_suffix('%') {
+            Some(p) => match p.trim().parse::<u32>() {
+                Ok(p @ 1..=100) => Ok(MaxUnavailable::Percent(p)),
+                _ => Err(bad()),
+            },
+            None => match text.trim().parse::<usize>() {
+                Ok(n @ 1..) => Ok(MaxUnavailable::Count(n)),
+                _ => Err(bad()),
+            },
+        }
+    }
+
+    /// The count for a rollout over `nodes` nodes: a percentage rounds up, and is never 0.
+    pub fn of(self, nodes: usize) -> usize {
+        match self {
+            MaxUnavailable::Count(n) => n,
+            MaxUnavailable::Percent(p) => (nodes * p as usize).div_ceil(100).max(1),
+        }
+    }
 }
 
 /// One node's restart (or check) as the control plane reported it.
@@ -199,7 +232,7 @@ pub async fn run(client: &mut Client, args: RestartAgentArgs, fmt: Format) -> an
     let report = rollout(
         client,
         &nodes,
-        args.max_unavailable as usize,
+        args.max_unavailable.of(nodes.len()),
         args.wait,
         args.check,
         |r| {
@@ -318,4 +351,25 @@ fn report_json(report: &RolloutReport) -> serde_json::Value {
         "elapsed_ms": report.elapsed.as_millis() as u64,
         "peak_unavailable": report.peak_unavailable,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_unavailable_is_a_count_or_a_percentage_rounded_up() {
+        assert_eq!(MaxUnavailable::parse("8"), Ok(MaxUnavailable::Count(8)));
+        assert_eq!(
+            MaxUnavailable::parse("10%"),
+            Ok(MaxUnavailable::Percent(10))
+        );
+        for bad in ["0", "0%", "101%", "-1", "x", "%", ""] {
+            assert!(MaxUnavailable::parse(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(MaxUnavailable::Percent(10).of(64), 7);
+        assert_eq!(MaxUnavailable::Percent(10).of(3), 1);
+        assert_eq!(MaxUnavailable::Percent(100).of(64), 64);
+        assert_eq!(MaxUnavailable::Count(8).of(3), 8);
+    }
 }

@@ -11,6 +11,8 @@
 //! - `scheduler`: one scheduling pass, in process (`bench_scheduler`).
 //! - `e2e`: end-to-end jobs per second on simulated hosts running real agents, side by side
 //!   with Slurm (`bench_e2e`, `bench_slurm`).
+//! - `rollout`: an in-place agent rollout across a fleet of real agents running jobs
+//!   (`bench_rollout`): time, jobs restarted, work refused.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -168,9 +170,44 @@ pub enum BenchCommand {
         #[arg(long)]
         skip_slurm: bool,
     },
+    /// Agent rollout: every agent of a fleet of real agent processes (simulated GPUs, real
+    /// jobs) restarted in place onto a newly installed binary, --max-unavailable at a time,
+    /// while short jobs keep arriving. Reports time, jobs restarted, work refused.
+    Rollout {
+        #[arg(long, default_value_t = 64)]
+        hosts: usize,
+        #[arg(long, default_value_t = 8)]
+        max_unavailable: usize,
+        /// Long one-GPU jobs running on every host through the rollout.
+        #[arg(long, default_value_t = 2)]
+        jobs_per_host: usize,
+        /// Short jobs submitted per second during the rollout, round-robin over the hosts.
+        #[arg(long, default_value_t = 10)]
+        rate: u64,
+        /// Extra flags for every replica (e.g. "--election-min-ms 300 --election-max-ms 600").
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        replica_args: String,
+    },
 }
 
 pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
+    if let BenchCommand::Rollout {
+        hosts,
+        max_unavailable,
+        jobs_per_host,
+        rate,
+        replica_args,
+    } = command
+    {
+        let args = super::bench_rollout::Args {
+            hosts,
+            max_unavailable,
+            jobs_per_host,
+            rate,
+            replica_args: replica_args.split_whitespace().map(str::to_owned).collect(),
+        };
+        return super::bench_rollout::run(args, keep_data, fmt);
+    }
     if let BenchCommand::E2e {
         hosts,
         gpus_per_host,
@@ -359,7 +396,8 @@ fn run_on_cluster(
             }
             BenchCommand::Scheduler { .. }
             | BenchCommand::Memory { .. }
-            | BenchCommand::E2e { .. } => {
+            | BenchCommand::E2e { .. }
+            | BenchCommand::Rollout { .. } => {
                 unreachable!("runs in process, above")
             }
         }

@@ -11,6 +11,7 @@ mod bench_failover;
 mod bench_hosts;
 mod bench_memory;
 mod bench_placement;
+mod bench_rollout;
 mod bench_scheduler;
 mod bench_slurm;
 mod bench_submit;

@@ -366,6 +366,7 @@ async fn wait_caught_up(
         let contact = r.peers.contact(id);
         let reachable = r.peers.reachable(id);
         answered |= contact.last_ok.is_some();
+        refuse_unreadable_binary(r, id, address)?;
         let last = m.last_log_index.unwrap_or(0);
         let matched = m
             .replication
@@ -425,6 +426,23 @@ async fn wait_caught_up(
             )));
         }
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// A new replica whose binary cannot read the format the cluster writes would refuse every
+/// entry it is sent and never catch up: say so at once, instead of after the catch-up timeout.
+fn refuse_unreadable_binary(r: &Replica, id: NodeId, address: &str) -> Result<(), ApiError> {
+    let writes = r.sm.cluster_version();
+    match r.peers.binary(id) {
+        Some(b) if b.format_max < writes => {
+            Err(ApiError::Rejected(Rejection::precondition(format!(
+                "replica {id} at {address} runs release {} (reads formats up to {}), but this                  cluster writes format {writes} (its cluster version): it cannot read the log.                  It was not added and the membership is unchanged; start it on this release's                  binary ({}) and add it again",
+                b.release_text(),
+                b.format_max,
+                crate::state::format::RELEASE
+            ))))
+        }
+        _ => Ok(()),
     }
 }
 

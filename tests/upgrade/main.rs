@@ -121,6 +121,8 @@ async fn a_rolling_upgrade_from_the_previous_release_loses_and_restarts_nothing(
     let upgrade_wall = upgrade_started.elapsed();
     // The next upgrade's leader step, on this release; not part of this upgrade's time.
     let new_leader_exit = u.restart_the_new_leader_with_sigterm().await;
+    // The next upgrade's agent step, on this release: in place, under load, long jobs kept.
+    u.restart_agents_in_place(long.len()).await;
     u.mark("upgrade done; stopping the load");
     let report = load.stop().await;
 
@@ -176,6 +178,7 @@ async fn a_rolling_upgrade_from_the_previous_release_loses_and_restarts_nothing(
         report.errors
     );
     u.new_agents_stop_adopted_jobs(&long).await;
+    u.a_replica_on_the_previous_release_cannot_join().await;
 }
 
 /// What the issue asks to report, printed before the assertions so a failing run shows them.
@@ -859,6 +862,62 @@ impl Upgrade {
             failed.is_empty(),
             "{what} jobs that did not succeed: {failed:?}"
         );
+    }
+
+    /// `gpuctl node restart-agent --all`: every (new) agent restarts in place, two at a time,
+    /// and each reports as many workloads after as before; the long jobs' shims and
+    /// allocations are checked unchanged at the end.
+    async fn restart_agents_in_place(&mut self, long_jobs: usize) {
+        self.mark("restart every agent in place, 2 at a time");
+        let (ok, out, err) = util::gpuctl(
+            &self.c,
+            &["node", "restart-agent", "--all", "--max-unavailable", "2"],
+        );
+        assert!(ok, "gpuctl node restart-agent failed:\n{out}{err}");
+        let restarted = format!("restarted {n} of {n} agents", n = AGENTS.len());
+        assert!(out.contains(&restarted), "{out}");
+        assert!(
+            out.contains(&format!("workloads {long_jobs} before, {long_jobs} after")),
+            "{out}"
+        );
+        println!("{out}");
+    }
+
+    /// Once the cluster writes format 2, a replica on the previous release (which reads
+    /// format 1 only) is refused at `cluster add` at once, saying why, and the membership
+    /// stays as it was.
+    async fn a_replica_on_the_previous_release_cannot_join(&mut self) {
+        self.mark("add a replica running the previous release");
+        let before = self.c.wait_for_leader(STEP_TIMEOUT).await.unwrap();
+        let port = free_ports(1).unwrap()[0];
+        let id = self.c.add_spare(port);
+        self.c.replicas.get_mut(&id).unwrap().program = Some(self.bins.old_replica.clone());
+        self.c.start(id, StartMode::Pristine).unwrap();
+        let addr = self.c.addr(id);
+        let started = Instant::now();
+        let (ok, out, err) = util::gpuctl(
+            &self.c,
+            &[
+                "cluster",
+                "add",
+                "--id",
+                &id.to_string(),
+                "--address",
+                &addr,
+            ],
+        );
+        let took = started.elapsed();
+        println!("adding a previous-release replica was answered in {took:?}: {err}");
+        assert!(!ok, "an old replica was added: {out}");
+        assert!(err.contains("cannot read the log"), "{err}");
+        assert!(err.contains("membership is unchanged"), "{err}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        let after = self.c.wait_for_leader(STEP_TIMEOUT).await.unwrap();
+        let ids = |s: &pb::ClusterStatusResponse| -> BTreeSet<u64> {
+            s.members.iter().map(|m| m.id).collect()
+        };
+        assert_eq!(ids(&after), ids(&before));
+        self.c.kill(id).unwrap();
     }
 
     /// The new agents control the jobs they re-adopted from the old ones: a cancel stops

@@ -9,6 +9,7 @@
 //! - `agent/`: the main loop — register, heartbeat, follow assignments, report, self-fence.
 
 pub mod agent;
+pub mod cgroup;
 pub mod gpu;
 pub mod health;
 pub mod runtime;

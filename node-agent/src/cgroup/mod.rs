@@ -1,0 +1,423 @@
+//! Enforcement of an allocation's resources with a cgroup of its own, on cgroup v1 or v2,
+//! whichever the host runs (`mounts`): the device nodes it may open (`devices`), a hard
+//! memory limit, a CPU quota, a cpuset, stopping every process of it whatever its session
+//! or process group (freeze, kill, thaw), and its accounting (CPU time, peak memory, OOM
+//! kills), read from the cgroup when it ends.
+//!
+//! The cgroup is created before the workload's first instruction: the shim's child joins it
+//! between fork and exec (`AllocationCgroup::procs_files`, written with "0"), so nothing the
+//! job runs, forks or daemonises is ever outside it. The shim itself stays outside, so it
+//! is neither charged nor killed with the job, and records how the job ended.
+//!
+//! Layout: `<controller mount>/<parent>/<allocation name>` on v1 (one directory per
+//! controller), `<v2 mount>/<parent>/<allocation name>` on v2. `parent` is per node (e.g.
+//! `gpucp/node-a`), so two simulated hosts on one machine keep apart.
+
+pub mod devices;
+pub mod mounts;
+mod v1;
+mod v2;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use devices::DeviceRule;
+use mounts::Hierarchy;
+
+/// What an allocation's cgroup limits. `None` leaves that resource unlimited.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: Option<u64>,
+    /// CPU quota in thousandths of a CPU (1000 = one CPU's time per period).
+    pub cpu_milli: Option<u64>,
+    /// cpuset CPUs and memory nodes, in the kernel's list form ("0-3,8").
+    pub cpus: Option<String>,
+    pub mems: Option<String>,
+    /// The device nodes it may open; `None` leaves devices unconfined.
+    pub devices: Option<Vec<DeviceRule>>,
+}
+
+/// What an allocation's cgroup measured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub cpu_ns: u64,
+    pub peak_memory_bytes: u64,
+    /// Processes of the allocation the kernel's OOM killer killed.
+    pub oom_kills: u64,
+}
+
+/// What was actually enforced on an allocation, for `gpuctl show` and the node's
+/// registration: a hierarchy that cannot do something says so rather than pretend.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Enforced {
+    pub hierarchy: &'static str,
+    pub devices: bool,
+    pub memory: bool,
+    pub cpu: bool,
+    pub cpuset: bool,
+}
+
+impl Enforced {
+    /// "cgroup v1: devices, memory, cpu" (the limits in force).
+    pub fn describe(&self) -> String {
+        let parts: Vec<&str> = [
+            (self.devices, "devices"),
+            (self.memory, "memory"),
+            (self.cpu, "cpu"),
+            (self.cpuset, "cpuset"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        format!("{}: {}", self.hierarchy, parts.join(", "))
+    }
+}
+
+/// The host's cgroup hierarchy and this node's parent cgroup in it.
+#[derive(Debug, Clone)]
+pub struct Cgroups {
+    hierarchy: Hierarchy,
+    parent: PathBuf,
+}
+
+/// How long stopping an allocation may take before it is reported as failed.
+const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Cgroups {
+    /// Finds the hierarchy from `/proc/self/mountinfo` and creates (or reuses) the parent
+    /// cgroup `parent` in it. The error says what is missing or not writable.
+    pub fn detect(parent: &Path) -> Result<Cgroups, String> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("reading /proc/self/mountinfo: {e}"))?;
+        let mounts = mounts::parse_mountinfo(&mountinfo);
+        let hierarchy = mounts::choose(&mounts, |root| {
+            std::fs::read_to_string(root.join("cgroup.controllers")).ok()
+        })?;
+        let c = Cgroups {
+            hierarchy,
+            parent: parent.to_owned(),
+        };
+        c.prepare_parent().map_err(|e| {
+            format!(
+                "{} found, but its cgroup {} cannot be set up: {e} (the agent needs root, and a writable hierarchy)",
+                c.hierarchy.name(),
+                parent.display()
+            )
+        })?;
+        Ok(c)
+    }
+
+    /// A given hierarchy, without detection (tests of the other hierarchy on a hybrid host).
+    pub fn with_hierarchy(hierarchy: Hierarchy, parent: &Path) -> Result<Cgroups, String> {
+        let c = Cgroups {
+            hierarchy,
+            parent: parent.to_owned(),
+        };
+        c.prepare_parent().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+
+    pub fn hierarchy(&self) -> &Hierarchy {
+        &self.hierarchy
+    }
+
+    fn prepare_parent(&self) -> io::Result<()> {
+        match &self.hierarchy {
+            Hierarchy::V1 { controllers } => v1::prepare_parent(controllers, &self.parent),
+            Hierarchy::V2 { root } => v2::prepare_parent(root, &self.parent),
+        }
+    }
+
+    /// Removes this node's (empty) parent cgroup, the last level of `parent` only.
+    pub fn remove_parent(&self) -> io::Result<()> {
+        let dirs: Vec<PathBuf> = match &self.hierarchy {
+            Hierarchy::V1 { controllers } => controllers
+                .values()
+                .map(|m| m.join(&self.parent))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+            Hierarchy::V2 { root } => vec![root.join(&self.parent)],
+        };
+        for d in dirs {
+            match std::fs::remove_dir(&d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("removing {}: {e}", d.display()),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates allocation `name`'s cgroup with `limits` (a leftover of the same name, from
+    /// an earlier attempt, is emptied and replaced), and says what it enforces.
+    pub fn create(&self, name: &str, limits: &Limits) -> io::Result<(AllocationCgroup, Enforced)> {
+        let cg = self.open(name);
+        if cg.exists() {
+            cg.kill_all()?;
+            cg.remove()?;
+        }
+        let enforced = match &self.hierarchy {
+            Hierarchy::V1 { .. } => v1::create(&cg.dirs, limits)?,
+            Hierarchy::V2 { .. } => v2::create(&cg.dirs[0], limits)?,
+        };
+        Ok((cg, enforced))
+    }
+
+    /// Allocation `name`'s cgroup, whether or not it exists (an agent restarted finds the
+    /// cgroups of the allocations it re-adopts by name).
+    pub fn open(&self, name: &str) -> AllocationCgroup {
+        match &self.hierarchy {
+            Hierarchy::V1 { controllers } => AllocationCgroup {
+                v2: false,
+                dirs: controllers
+                    .values()
+                    .map(|mount| mount.join(&self.parent).join(name))
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .collect(),
+                freezer: controllers
+                    .get(&mounts::V1Controller::Freezer)
+                    .map(|m| m.join(&self.parent).join(name)),
+                memory: controllers
+                    .get(&mounts::V1Controller::Memory)
+                    .map(|m| m.join(&self.parent).join(name)),
+                cpuacct: controllers
+                    .get(&mounts::V1Controller::Cpuacct)
+                    .map(|m| m.join(&self.parent).join(name)),
+            },
+            Hierarchy::V2 { root } => {
+                let dir = root.join(&self.parent).join(name);
+                AllocationCgroup {
+                    v2: true,
+                    dirs: vec![dir.clone()],
+                    freezer: Some(dir.clone()),
+                    memory: Some(dir.clone()),
+                    cpuacct: Some(dir),
+                }
+            }
+        }
+    }
+}
+
+/// One allocation's cgroup (v1: its directory in each controller's hierarchy).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocationCgroup {
+    v2: bool,
+    dirs: Vec<PathBuf>,
+    freezer: Option<PathBuf>,
+    memory: Option<PathBuf>,
+    cpuacct: Option<PathBuf>,
+}
+
+impl AllocationCgroup {
+    pub fn exists(&self) -> bool {
+        self.dirs.iter().any(|d| d.is_dir())
+    }
+
+    /// The `cgroup.procs` files a process writes "0" to, to join the cgroup: what the shim's
+    /// child does between fork and exec.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    /// [`Self::procs_files`] as C strings, made before a fork: the child may not allocate.
+    pub fn procs_files_c(&self) -> Vec<std::ffi::CString> {
+        use std::os::unix::ffi::OsStrExt;
+        self.procs_files()
+            .iter()
+            .filter_map(|p| std::ffi::CString::new(p.as_os_str().as_bytes()).ok())
+            .collect()
+    }
+
+    /// Moves process `pid` (all its threads) into the cgroup.
+    pub fn add(&self, pid: u32) -> io::Result<()> {
+        for f in self.procs_files() {
+            write(&f, &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The processes in the cgroup now.
+    pub fn pids(&self) -> io::Result<Vec<u32>> {
+        let dir = self.freezer.as_ref().unwrap_or(&self.dirs[0]);
+        read_pids(&dir.join("cgroup.procs"))
+    }
+
+    /// Stops every process of the allocation, whatever its session or process group: frozen
+    /// first (so nothing forks while the list is read), killed, thawed so the kills land,
+    /// until the cgroup is empty. Returns how many processes were killed.
+    pub fn kill_all(&self) -> io::Result<usize> {
+        let deadline = std::time::Instant::now() + KILL_TIMEOUT;
+        let mut killed = 0;
+        if self.v2 {
+            // cgroup.kill (Linux 5.14) kills atomically, forks included.
+            let kill = self.dirs[0].join("cgroup.kill");
+            if kill.exists() {
+                let before = self.pids()?.len();
+                write(&kill, "1")?;
+                self.wait_empty(deadline)?;
+                return Ok(before);
+            }
+        }
+        loop {
+            let pids = self.pids()?;
+            if pids.is_empty() {
+                return Ok(killed);
+            }
+            self.freeze(true, deadline)?;
+            for pid in self.pids()? {
+                // SAFETY: kill takes a pid and a signal number only.
+                if unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) } == 0 {
+                    killed += 1;
+                }
+            }
+            self.freeze(false, deadline)?;
+            if std::time::Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "processes {pids:?} survive SIGKILL in {}",
+                        self.dirs[0].display()
+                    ),
+                ));
+            }
+            self.wait_empty_briefly();
+        }
+    }
+
+    fn freeze(&self, frozen: bool, deadline: std::time::Instant) -> io::Result<()> {
+        let Some(dir) = &self.freezer else {
+            return Ok(());
+        };
+        if self.v2 {
+            return write(&dir.join("cgroup.freeze"), if frozen { "1" } else { "0" });
+        }
+        let state = dir.join("freezer.state");
+        let want = if frozen { "FROZEN" } else { "THAWED" };
+        write(&state, want)?;
+        // Freezing is asynchronous on v1: FREEZING until every task has stopped.
+        while std::fs::read_to_string(&state)?.trim() != want {
+            if std::time::Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{} did not reach {want}", state.display()),
+                ));
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    fn wait_empty(&self, deadline: std::time::Instant) -> io::Result<()> {
+        while !self.pids()?.is_empty() {
+            if std::time::Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{} is not empty after its kill", self.dirs[0].display()),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// Killed processes leave the cgroup as they exit; give them a moment before the list
+    /// is read again (a poll interval, not a synchronisation: the loop re-checks).
+    fn wait_empty_briefly(&self) {
+        for _ in 0..100 {
+            if self.pids().map(|p| p.is_empty()).unwrap_or(true) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// CPU time, peak memory and OOM kills so far.
+    pub fn usage(&self) -> Usage {
+        if self.v2 {
+            v2::usage(&self.dirs[0])
+        } else {
+            v1::usage(self.cpuacct.as_deref(), self.memory.as_deref())
+        }
+    }
+
+    /// Removes the (empty) cgroup; a directory already gone is fine.
+    pub fn remove(&self) -> io::Result<()> {
+        for d in &self.dirs {
+            match std::fs::remove_dir(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("removing {}: {e}", d.display()),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Joins the calling process to the cgroup whose `cgroup.procs` files are `files` (from
+/// [`AllocationCgroup::procs_files_c`]). Only async-signal-safe calls (open, write, close),
+/// so it may run in a child between fork and exec, before the workload's first instruction.
+pub fn join_current_process(files: &[std::ffi::CString]) -> io::Result<()> {
+    for f in files {
+        // SAFETY: `f` is a NUL-terminated path; the buffer is a static byte string; the
+        // descriptor is closed on every path.
+        unsafe {
+            let fd = libc::open(f.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let n = libc::write(fd, b"0".as_ptr().cast(), 1);
+            let err = io::Error::last_os_error();
+            libc::close(fd);
+            if n != 1 {
+                return Err(err);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write(path: &Path, value: &str) -> io::Result<()> {
+    std::fs::write(path, value).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("writing {value:?} to {}: {e}", path.display()),
+        )
+    })
+}
+
+fn read_pids(path: &Path) -> io::Result<Vec<u32>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
+/// A flat-keyed cgroup file ("key value" lines: cpu.stat, memory.events, memory.oom_control)
+/// → the value of `key`.
+fn keyed(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut w = l.split_whitespace();
+        (w.next()? == key).then(|| w.next()?.parse().ok())?
+    })
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,123 @@
+//! cgroup v1: one directory per controller. Devices through `devices.deny`/`devices.allow`,
+//! memory through `memory.limit_in_bytes` (and the memory+swap limit, so the limit is not
+//! escaped into swap), CPU through the CFS quota, cpuset through `cpuset.cpus`/`.mems`
+//! (which v1 requires set before a task may join).
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use super::mounts::V1Controller;
+use super::{Enforced, Limits, Usage, keyed, read_u64, write};
+
+/// CFS period: quota = milli-CPUs × period / 1000.
+const CFS_PERIOD_US: u64 = 100_000;
+
+/// Creates `parent` under every controller; in cpuset, each new level copies its parent's
+/// CPUs and memory nodes (an empty cpuset takes no task).
+pub fn prepare_parent(
+    controllers: &BTreeMap<V1Controller, PathBuf>,
+    parent: &Path,
+) -> io::Result<()> {
+    for (c, mount) in controllers {
+        let mut dir = mount.clone();
+        for part in parent.components() {
+            let above = dir.clone();
+            dir = dir.join(part);
+            if !dir.is_dir() {
+                std::fs::create_dir(&dir).or_else(|e| {
+                    if e.kind() == io::ErrorKind::AlreadyExists {
+                        Ok(())
+                    } else {
+                        Err(io::Error::new(
+                            e.kind(),
+                            format!("creating {}: {e}", dir.display()),
+                        ))
+                    }
+                })?;
+            }
+            if *c == V1Controller::Cpuset {
+                inherit_cpuset(&above, &dir)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn inherit_cpuset(above: &Path, dir: &Path) -> io::Result<()> {
+    for file in ["cpuset.cpus", "cpuset.mems"] {
+        let mine = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+        if mine.trim().is_empty() {
+            let theirs = std::fs::read_to_string(above.join(file))?;
+            write(&dir.join(file), theirs.trim())?;
+        }
+    }
+    Ok(())
+}
+
+/// Creates the allocation's directories and writes its limits.
+pub fn create(dirs: &[PathBuf], limits: &Limits) -> io::Result<Enforced> {
+    let mut enforced = Enforced {
+        hierarchy: "cgroup v1",
+        ..Enforced::default()
+    };
+    for dir in dirs {
+        std::fs::create_dir(dir)
+            .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
+        let has = |file: &str| dir.join(file).exists();
+        if has("cpuset.cpus") {
+            let above = dir.parent().unwrap_or(dir);
+            inherit_cpuset(above, dir)?;
+            if let Some(cpus) = &limits.cpus {
+                write(&dir.join("cpuset.cpus"), cpus)?;
+                enforced.cpuset = true;
+            }
+            if let Some(mems) = &limits.mems {
+                write(&dir.join("cpuset.mems"), mems)?;
+            }
+        }
+        if has("memory.limit_in_bytes")
+            && let Some(bytes) = limits.memory_bytes
+        {
+            write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
+            // Present only with swap accounting; must not be below limit_in_bytes.
+            if has("memory.memsw.limit_in_bytes") {
+                write(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())?;
+            }
+            enforced.memory = true;
+        }
+        if has("cpu.cfs_quota_us")
+            && let Some(milli) = limits.cpu_milli
+        {
+            write(&dir.join("cpu.cfs_period_us"), &CFS_PERIOD_US.to_string())?;
+            let quota = (milli * CFS_PERIOD_US / 1000).max(1000);
+            write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            enforced.cpu = true;
+        }
+        if has("devices.deny")
+            && let Some(rules) = &limits.devices
+        {
+            write(&dir.join("devices.deny"), "a")?;
+            for rule in rules {
+                write(&dir.join("devices.allow"), &rule.to_string())?;
+            }
+            enforced.devices = true;
+        }
+    }
+    Ok(enforced)
+}
+
+pub fn usage(cpuacct: Option<&Path>, memory: Option<&Path>) -> Usage {
+    Usage {
+        cpu_ns: cpuacct
+            .and_then(|d| read_u64(&d.join("cpuacct.usage")))
+            .unwrap_or(0),
+        peak_memory_bytes: memory
+            .and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes")))
+            .unwrap_or(0),
+        oom_kills: memory
+            .and_then(|d| std::fs::read_to_string(d.join("memory.oom_control")).ok())
+            .and_then(|t| keyed(&t, "oom_kill"))
+            .unwrap_or(0),
+    }
+}

@@ -238,12 +238,13 @@ fn usage_is_read_back_and_a_leftover_cgroup_is_replaced() {
     assert!(usage.peak_memory_bytes > 0, "{usage:?}");
     assert_eq!(usage.oom_kills, 0);
     // An agent that crashed after creating it creates it again: the old one is emptied.
-    let _stray = spawn_in(&cg, "sleep 1000");
+    let mut stray = spawn_in(&cg, "sleep 1000");
     wait_for("the stray process", Duration::from_secs(10), || {
         !cg.pids().unwrap().is_empty()
     });
     let (again, _) = host.create("alloc-use", &Limits::default()).unwrap();
     assert!(again.pids().unwrap().is_empty());
+    stray.wait().unwrap();
     kill_and_remove(&again);
 }
 

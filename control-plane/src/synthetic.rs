@@ -24,6 +24,7 @@ pub fn node_from_preset(
     let inv = SimulatedBackend::new(spec)?.inventory()?;
     Ok(NodeSpec {
         agent_release: String::new(),
+        enforcement: String::new(),
         name: host.to_owned(),
         gpus: inv
             .gpus

@@ -26,6 +26,8 @@ fn config(state_dir: &Path) -> RuntimeConfig {
         stop_grace: GRACE,
         lease_file: None,
         fence_grace: GRACE,
+        cgroups: None,
+        driver_majors: Default::default(),
     }
 }
 
@@ -42,6 +44,9 @@ fn spec(id: u64, gpus: &[&str], work: &Path, script: &str) -> LaunchSpec {
         time_limit: None,
         share: None,
         mig_parents: BTreeMap::new(),
+        cpu_milli: 0,
+        memory_mib: 0,
+        gpu_minors: Vec::new(),
     }
 }
 

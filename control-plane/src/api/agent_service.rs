@@ -67,6 +67,7 @@ impl AgentService {
 pub fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
     NodeSpec {
         agent_release: req.agent_release,
+        enforcement: req.enforcement,
         name: req.name,
         gpus: req
             .gpus
@@ -179,6 +180,8 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                 stop: r.stop_requested,
                 gpu_milli: r.allocation.gpu_milli,
                 gpu_memory_mib: r.allocation.gpu_memory_mib,
+                cpu_milli: job.spec.cpu_milli_per_task,
+                memory_mib: job.spec.memory_mib_per_task,
             })
         })
         .collect();

@@ -233,6 +233,7 @@ pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
         driver: node.spec.driver.clone(),
         topology: node.spec.topology.iter().map(|row| row.join(" ")).collect(),
         agent_release: node.spec.agent_release.clone(),
+        enforcement: node.spec.enforcement.clone(),
     }
 }
 
@@ -312,6 +313,8 @@ pub fn registration_from_spec(spec: &state::NodeSpec) -> proto::agent::RegisterN
         incarnation: spec.incarnation.clone(),
         // Simulated hosts run this release's agent code.
         agent_release: crate::state::format::RELEASE.to_owned(),
+        // They start no process, so there is nothing to confine.
+        enforcement: "unenforced: a simulated host in process, with no workloads".into(),
     }
 }
 

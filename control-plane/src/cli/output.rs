@@ -267,6 +267,7 @@ pub fn node_json(n: &pb::Node) -> Value {
         "memory_mib": n.memory_mib,
         "registered_at_ms": n.registered_at_ms,
         "agent_release": if n.agent_release.is_empty() { Value::Null } else { json!(n.agent_release) },
+        "enforcement": if n.enforcement.is_empty() { Value::Null } else { json!(n.enforcement) },
         "gpus": n.gpus.iter().map(|g| json!({
             "uuid": g.uuid, "index": g.index, "model": g.model, "memory_mib": g.memory_mib,
             "numa_node": if g.numa_node < 0 { Value::Null } else { json!(g.numa_node) },
@@ -318,6 +319,7 @@ pub fn nodes_table(nodes: &[pb::Node], control_plane_release: Option<&str>) -> S
                     Some(cp) => agent_cell(&n.agent_release, cp),
                     None => crate::release::agent_release_text(&n.agent_release),
                 },
+                enforcement_cell(&n.enforcement),
             ]
         })
         .collect();
@@ -332,9 +334,29 @@ pub fn nodes_table(nodes: &[pb::Node], control_plane_release: Option<&str>) -> S
             "CPUS",
             "MEM_GIB",
             "AGENT",
+            "ENFORCED",
         ],
         &rows,
     )
+}
+
+/// A node's enforcement for a table: the hierarchy ("cgroup-v1"), "UNENFORCED" (the reason is
+/// in `-o json` and the agent's log), or "?" from an agent that does not report it.
+fn enforcement_cell(enforcement: &str) -> String {
+    if enforcement.is_empty() {
+        "?".into()
+    } else if enforcement.starts_with("unenforced") {
+        "UNENFORCED".into()
+    } else if enforcement.contains("devices NOT enforced") {
+        enforcement
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .replace(' ', "-")
+            + "-no-devices"
+    } else {
+        printable(enforcement.split(':').next().unwrap_or_default()).replace(' ', "-")
+    }
 }
 
 /// An agent's release, flagged when it is not the control plane's.

@@ -95,6 +95,9 @@ fn record(id: u64, stop: bool, exit: Option<ExitKind>) -> Value {
         time_limit: id.is_multiple_of(2).then(|| Duration::from_secs(600)),
         share: None,
         mig_parents: Default::default(),
+        cpu_milli: 0,
+        memory_mib: 0,
+        gpu_minors: Vec::new(),
     };
     json!({
         "format": 1,
@@ -173,6 +176,8 @@ fn config(state: &Path) -> RuntimeConfig {
         stop_grace: Duration::from_secs(30),
         lease_file: None,
         fence_grace: Duration::from_secs(2),
+        cgroups: None,
+        driver_majors: Default::default(),
     }
 }
 

@@ -61,6 +61,7 @@ impl World {
     ) {
         let spec = NodeSpec {
             agent_release: String::new(),
+            enforcement: String::new(),
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
@@ -387,6 +388,7 @@ impl World {
     fn node_with(&mut self, name: &str, gpus: Vec<Gpu>, topology: &str, labels: &[(&str, &str)]) {
         let spec = NodeSpec {
             agent_release: String::new(),
+            enforcement: String::new(),
             name: name.into(),
             gpus,
             cpu_milli: 64_000,

@@ -575,6 +575,7 @@ mod tests {
         for n in 0..nodes {
             let spec = NodeSpec {
                 agent_release: String::new(),
+                enforcement: String::new(),
                 name: format!("n{n}"),
                 gpus: (0..gpus)
                     .map(|i| Gpu {

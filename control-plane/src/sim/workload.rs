@@ -190,6 +190,7 @@ pub fn trace_nodes(path: &Path) -> anyhow::Result<Vec<NodeSpec>> {
         let gpus: u32 = csv.need(row, gpu)?;
         nodes.push(NodeSpec {
             agent_release: String::new(),
+            enforcement: String::new(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
                     uuid: format!("GPU-{name}-{i}"),

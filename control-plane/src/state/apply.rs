@@ -504,6 +504,7 @@ impl ClusterState {
         if !self.cluster_version.allows(2) {
             // Format 1 has no such field; a format-1 replica would not keep it.
             spec.agent_release.clear();
+            spec.enforcement.clear();
         }
         let drained = self.nodes.get(&spec.name).is_some_and(|n| n.drained);
         if let Some(old) = self.nodes.get(&spec.name) {

@@ -26,6 +26,7 @@ fn node(name: &str, gpus: u32, model: &str) -> NodeBuilder {
     NodeBuilder {
         spec: NodeSpec {
             agent_release: String::new(),
+            enforcement: String::new(),
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {

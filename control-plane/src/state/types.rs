@@ -88,6 +88,10 @@ pub struct NodeSpec {
     /// (kept empty) while the cluster version is lower, so the entry keeps format 1's shape.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub agent_release: String,
+    /// What the agent enforces on each allocation ("cgroup v1: devices, memory, cpu, kill"),
+    /// or "unenforced: REASON"; empty when not reported. Format 2, as `agent_release`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub enforcement: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -318,6 +318,7 @@ pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), Rejection> {
     node_text("node.driver", &spec.driver)?;
     node_text("node.incarnation", &spec.incarnation)?;
     node_text("node.agent_release", &spec.agent_release)?;
+    node_text("node.enforcement", &spec.enforcement)?;
     if spec.topology.len() > MAX_GPUS_PER_NODE as usize
         || spec
             .topology

@@ -58,6 +58,11 @@ pub struct AgentArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping a workload.
     #[arg(long, default_value_t = 30)]
     pub stop_grace_secs: u64,
+    /// Enforcement with a cgroup per allocation (devices, memory, CPU; stopping every
+    /// process of a job): auto (use cgroups where the host allows, else register the node
+    /// as unenforced and say why), require (refuse to start without them), off (unenforced).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub cgroups: super::CgroupMode,
     /// Milliseconds between SIGTERM and SIGKILL when the agent fences itself (lease expired);
     /// must be shorter than the control plane's node grace.
     #[arg(long, default_value_t = 2000)]
@@ -221,6 +226,7 @@ impl AgentArgs {
                 fence_grace: Duration::from_millis(self.fence_grace_ms),
                 transport,
                 reexec: None,
+                cgroups: self.cgroups,
             },
             backend,
             simulated,

@@ -66,6 +66,52 @@ pub struct AgentConfig {
     /// How this agent starts itself again for an in-place restart; `None` where it runs
     /// inside another program (tests), which then cannot restart it.
     pub reexec: Option<restart::Reexec>,
+    pub cgroups: CgroupMode,
+}
+
+/// Whether allocations get cgroups of their own (`--cgroups`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CgroupMode {
+    /// Where the host allows; otherwise the node registers as unenforced, saying why.
+    Auto,
+    /// The agent does not start without them.
+    Require,
+    /// Never: the node registers as unenforced.
+    Off,
+}
+
+/// Sets up enforcement as `mode` asks. Returns the cgroups to use (if any) and the line the
+/// node registers with: what is enforced, or "unenforced: why".
+/// The node's parent cgroup is `gpucp/<node>.<incarnation prefix>`: one per agent state
+/// directory, so several simulated hosts on one machine (or two test clusters that both
+/// have a node "n1") never share allocation cgroups.
+fn setup_enforcement(
+    mode: CgroupMode,
+    node: &str,
+    incarnation: &str,
+) -> anyhow::Result<(Option<crate::cgroup::Cgroups>, String)> {
+    if mode == CgroupMode::Off {
+        tracing::warn!(
+            "cgroups are off (--cgroups off): jobs are not confined to their GPUs, CPUs or memory, and a cancel may leave processes behind"
+        );
+        return Ok((None, "unenforced: --cgroups off".into()));
+    }
+    let short = incarnation.get(..8).unwrap_or(incarnation);
+    let parent = std::path::Path::new("gpucp").join(format!("{node}.{short}"));
+    match crate::cgroup::Cgroups::detect(&parent) {
+        Ok(c) => {
+            let line = c.capabilities();
+            tracing::info!(enforcement = %line, "each allocation gets a cgroup of its own");
+            Ok((Some(c), line))
+        }
+        Err(e) if mode == CgroupMode::Require => anyhow::bail!(
+            "--cgroups require: {e}. Run the agent as root on a host with a writable cgroup hierarchy, or use --cgroups auto to register the node as unenforced"
+        ),
+        Err(e) => {
+            tracing::warn!(reason = %e, "cgroups cannot be used: this node registers as UNENFORCED (jobs are not confined to their GPUs, CPUs or memory); --cgroups require refuses to start instead");
+            Ok((None, format!("unenforced: {e}")))
+        }
+    }
 }
 
 /// Why [`run`] returned.
@@ -148,6 +194,9 @@ pub struct Agent {
     /// Set by the Restart RPC; stops the server, after which [`run`] returns `Restart`.
     restart: Notify,
     restart_requested: std::sync::atomic::AtomicBool,
+    /// What this node enforces on its allocations ("cgroup v1: devices, memory, cpu, cpuset"),
+    /// or "unenforced: why"; sent with every registration.
+    enforcement: String,
     /// Registrations so far. The assignment stream opens after the first: a registration
     /// drops the sets received before it, so a stream opened earlier would leave the agent
     /// without a set (not ready) until the leader re-sends it a second later.
@@ -235,6 +284,7 @@ impl Agent {
             fence_grace_ms: self.config.fence_grace.as_millis() as u64,
             incarnation: self.incarnation.clone(),
             agent_release: RELEASE.to_owned(),
+            enforcement: self.enforcement.clone(),
         }
     }
 
@@ -496,7 +546,27 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
         time_limit: (a.time_limit_secs > 0).then(|| Duration::from_secs(a.time_limit_secs)),
         share,
         mig_parents,
+        cpu_milli: a.cpu_milli,
+        memory_mib: a.memory_mib,
+        gpu_minors: gpu_minors(inventory, &a.gpus),
     }
+}
+
+/// The device minors (`/dev/nvidiaN`) of `uuids`: a GPU's index, a MIG slice's parent's.
+fn gpu_minors(inventory: &HostInventory, uuids: &[String]) -> Vec<u32> {
+    let mut minors: Vec<u32> = uuids
+        .iter()
+        .filter_map(|uuid| {
+            inventory
+                .gpus
+                .iter()
+                .find(|g| &g.uuid == uuid || g.mig_instances.iter().any(|m| &m.uuid == uuid))
+                .map(|g| g.index)
+        })
+        .collect();
+    minors.sort_unstable();
+    minors.dedup();
+    minors
 }
 
 /// What a GPU event does to the allocations on that GPU (`on_gpu`: whole-GPU users, every
@@ -572,6 +642,12 @@ fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) ->
             r.reason = "the agent lost its lease to the control plane and stopped the job".into();
         }
         (_, Some(StopCause::NotAssigned)) | (ExitKind::Stopped, None) => r.event = Event::Stopped,
+        (ExitKind::OutOfMemory { limit_mib }, None) => {
+            r.signal = libc::SIGKILL;
+            r.reason = format!(
+                "out of memory: the job went past its memory limit of {limit_mib} MiB (--mem) and the kernel's OOM killer killed it"
+            );
+        }
         (ExitKind::Vanished { reason }, None) => {
             r.event = Event::Lost;
             r.reason = format!("process vanished: {reason}");
@@ -592,6 +668,11 @@ pub async fn run(
         .with_context(|| format!("creating state directory {}", config.state_dir.display()))?;
     let inventory = backend.inventory().context("discovering GPUs")?;
     tracing::info!(node = %config.name, gpus = inventory.gpus.len(), driver = %inventory.driver, "GPU inventory");
+    let incarnation = load_or_create_incarnation(&config.state_dir)?;
+    let (cgroups, enforcement) = setup_enforcement(config.cgroups, &config.name, &incarnation)?;
+    let driver_majors = crate::cgroup::devices::DriverMajors::parse(
+        &std::fs::read_to_string("/proc/devices").unwrap_or_default(),
+    );
     let runtime = Runtime::open(RuntimeConfig {
         state_dir: config.state_dir.join("runtime"),
         shim_program: config.shim_program.clone(),
@@ -599,6 +680,8 @@ pub async fn run(
         stop_grace: config.stop_grace,
         lease_file: Some(config.state_dir.join("lease")),
         fence_grace: config.fence_grace,
+        cgroups,
+        driver_majors,
     })
     .context("opening the workload runtime")?;
     let readopted = runtime.live();
@@ -608,7 +691,6 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
-    let incarnation = load_or_create_incarnation(&config.state_dir)?;
     let agent = Arc::new(Agent {
         incarnation,
         inventory,
@@ -632,6 +714,7 @@ pub async fn run(
         restart: Notify::new(),
         restart_requested: std::sync::atomic::AtomicBool::new(false),
         registrations: tokio::sync::watch::Sender::new(0),
+        enforcement,
     });
     let transport = agent.config.transport.clone();
     let restart_asked = {

@@ -109,15 +109,18 @@ mod tests {
 
     #[tokio::test]
     async fn a_program_that_says_no_release_is_refused_with_its_name() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let program = dir.path().join("agent");
+        std::fs::write(&program, "#!/bin/sh\necho usage: agent [OPTIONS]\n").unwrap();
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
         let r = Reexec {
-            program: "/bin/true".into(),
+            program: program.clone(),
             args: vec![],
         };
         let err = r.next_release().await.unwrap_err().to_string();
-        assert!(
-            err.contains("/bin/true --version printed no release"),
-            "{err}"
-        );
+        assert!(err.contains("--version printed no release"), "{err}");
+        assert!(err.contains(&program.display().to_string()), "{err}");
         let missing = Reexec {
             program: "/nonexistent/node-agent".into(),
             args: vec![],

@@ -39,7 +39,7 @@ pub struct Limits {
 }
 
 /// What an allocation's cgroup measured.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     pub cpu_ns: u64,
     pub peak_memory_bytes: u64,
@@ -49,9 +49,9 @@ pub struct Usage {
 
 /// What was actually enforced on an allocation, for `gpuctl show` and the node's
 /// registration: a hierarchy that cannot do something says so rather than pretend.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Enforced {
-    pub hierarchy: &'static str,
+    pub hierarchy: String,
     pub devices: bool,
     pub memory: bool,
     pub cpu: bool,
@@ -75,7 +75,7 @@ impl Enforced {
 }
 
 /// The host's cgroup hierarchy and this node's parent cgroup in it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cgroups {
     hierarchy: Hierarchy,
     parent: PathBuf,
@@ -116,6 +116,22 @@ impl Cgroups {
         };
         c.prepare_parent().map_err(|e| e.to_string())?;
         Ok(c)
+    }
+
+    /// What allocations' cgroups enforce on this host, for the node's registration.
+    pub fn capabilities(&self) -> String {
+        match &self.hierarchy {
+            Hierarchy::V1 { controllers } => {
+                let mut on = vec!["devices", "memory", "cpu", "kill"];
+                if controllers.contains_key(&mounts::V1Controller::Cpuset) {
+                    on.push("cpuset");
+                }
+                format!("cgroup v1: {}", on.join(", "))
+            }
+            Hierarchy::V2 { .. } => {
+                "cgroup v2: memory, cpu, cpuset, kill (devices NOT enforced: the v2 device filter is not built)".into()
+            }
+        }
     }
 
     pub fn hierarchy(&self) -> &Hierarchy {
@@ -206,8 +222,9 @@ impl Cgroups {
     }
 }
 
-/// One allocation's cgroup (v1: its directory in each controller's hierarchy).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One allocation's cgroup (v1: its directory in each controller's hierarchy). Passed to
+/// the shim as JSON, and kept in the allocation's record.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AllocationCgroup {
     v2: bool,
     dirs: Vec<PathBuf>,

@@ -58,7 +58,7 @@ fn inherit_cpuset(above: &Path, dir: &Path) -> io::Result<()> {
 /// Creates the allocation's directories and writes its limits.
 pub fn create(dirs: &[PathBuf], limits: &Limits) -> io::Result<Enforced> {
     let mut enforced = Enforced {
-        hierarchy: "cgroup v1",
+        hierarchy: "cgroup v1".into(),
         ..Enforced::default()
     };
     for dir in dirs {

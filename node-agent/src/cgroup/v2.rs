@@ -49,7 +49,7 @@ pub fn create(dir: &Path, limits: &Limits) -> io::Result<Enforced> {
         .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
     let has = |file: &str| dir.join(file).exists();
     let mut enforced = Enforced {
-        hierarchy: "cgroup v2",
+        hierarchy: "cgroup v2".into(),
         ..Enforced::default()
     };
     if has("memory.max")

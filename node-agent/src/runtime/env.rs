@@ -269,6 +269,9 @@ mod tests {
             time_limit: None,
             share: None,
             mig_parents: BTreeMap::new(),
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpu_minors: Vec::new(),
         }
     }
 
@@ -480,6 +483,9 @@ mod tests {
                 "a MIG slice",
                 LaunchSpec {
                     mig_parents: BTreeMap::from([("GPU-a".into(), "GPU-p".into())]),
+                    cpu_milli: 0,
+                    memory_mib: 0,
+                    gpu_minors: Vec::new(),
                     ..share_spec(500, 100)
                 },
             ),

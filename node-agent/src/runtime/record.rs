@@ -148,6 +148,9 @@ pub(crate) struct StopRequest {
 pub(crate) struct RecordedExit {
     pub kind: ExitKind,
     pub at_ms: u64,
+    /// What the allocation's cgroup measured, reported with the exit again after a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::cgroup::Usage>,
 }
 
 /// Everything the runtime must remember about one allocation across agent restarts.
@@ -168,6 +171,11 @@ pub(crate) struct AllocationRecord {
     pub stop: Option<StopRequest>,
     pub kill_sent_at_ms: Option<u64>,
     pub exit: Option<RecordedExit>,
+    /// The allocation's cgroup, created before its shim, and what it enforces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<crate::cgroup::AllocationCgroup>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforced: Option<crate::cgroup::Enforced>,
 }
 
 impl AllocationRecord {
@@ -181,6 +189,8 @@ impl AllocationRecord {
             stop: None,
             kill_sent_at_ms: None,
             exit: None,
+            cgroup: None,
+            enforced: None,
         }
     }
 
@@ -462,6 +472,9 @@ mod tests {
             time_limit: Some(Duration::from_millis(1500)),
             share: None,
             mig_parents: BTreeMap::new(),
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpu_minors: Vec::new(),
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = Some(4242);
@@ -482,6 +495,7 @@ mod tests {
                 reason: "x".to_string(),
             },
             at_ms: 4000,
+            usage: None,
         });
         let json = serde_json::to_string(&r).expect("encode");
         let back: AllocationRecord = serde_json::from_str(&json).expect("decode");

@@ -168,6 +168,11 @@ impl RecordLog {
         self.records.contains_key(&id)
     }
 
+    /// The record of `id`, if the log holds one.
+    pub(crate) fn get(&self, id: u64) -> Option<AllocationRecord> {
+        self.records.get(&id).cloned()
+    }
+
     /// Appends `record` and makes it durable.
     pub(crate) fn put(&mut self, record: &AllocationRecord) -> Result<(), RuntimeError> {
         self.append(&LineOut::Put(record))?;
@@ -428,6 +433,9 @@ mod tests {
             time_limit: None,
             share: None,
             mig_parents: BTreeMap::new(),
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpu_minors: Vec::new(),
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = pid;
@@ -589,6 +597,7 @@ mod tests {
             exited.exit = Some(crate::runtime::record::RecordedExit {
                 kind: crate::runtime::types::ExitKind::Exited { code: 0 },
                 at_ms: 5,
+                usage: None,
             });
             log.put(&exited).expect("put");
             if id % 5 != 0 {

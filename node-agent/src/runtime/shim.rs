@@ -54,6 +54,10 @@ pub(crate) struct ShimArgs {
     pub lease_file: Option<PathBuf>,
     /// SIGTERM → SIGKILL grace when the shim fences the command itself.
     pub fence_grace: Duration,
+    /// The allocation's cgroup: the command joins it before its first instruction, and
+    /// everything left in it is killed when the command ends (whatever session or process
+    /// group it moved to).
+    pub cgroup: Option<crate::cgroup::AllocationCgroup>,
 }
 
 impl ShimArgs {
@@ -77,6 +81,10 @@ impl ShimArgs {
             args.push("--fence-grace-ms".to_string());
             args.push(self.fence_grace.as_millis().to_string());
         }
+        if let Some(cg) = &self.cgroup {
+            args.push("--cgroup".to_string());
+            args.push(serde_json::to_string(cg).expect("a cgroup serializes"));
+        }
         args.push("--".to_string());
         args.extend(self.command.iter().cloned());
         args
@@ -86,6 +94,7 @@ impl ShimArgs {
         let mut await_go = false;
         let (mut exit_file, mut stdout, mut stderr, mut lease_file) = (None, None, None, None);
         let mut fence_grace = Duration::from_secs(30);
+        let mut cgroup = None;
         let mut iter = args.iter();
         loop {
             let Some(arg) = iter.next() else {
@@ -109,6 +118,14 @@ impl ShimArgs {
                     fence_grace = Duration::from_millis(ms);
                     continue;
                 }
+                "--cgroup" => {
+                    let value = iter.next().ok_or("option --cgroup needs a value")?;
+                    cgroup = Some(
+                        serde_json::from_str(value)
+                            .map_err(|e| format!("--cgroup {value:?} is not a cgroup: {e}"))?,
+                    );
+                    continue;
+                }
                 other => return Err(format!("unknown option {other:?}")),
             };
             let value = iter
@@ -128,6 +145,7 @@ impl ShimArgs {
             command,
             lease_file,
             fence_grace,
+            cgroup,
         })
     }
 }
@@ -137,7 +155,8 @@ impl ShimArgs {
 /// from another build (see [`shim_command`]).
 pub const SHIM_PROTOCOL: u64 = fnv1a(include_bytes!("shim.rs"))
     ^ fnv1a(include_bytes!("record.rs")).rotate_left(21)
-    ^ fnv1a(include_bytes!("process.rs")).rotate_left(42);
+    ^ fnv1a(include_bytes!("process.rs")).rotate_left(42)
+    ^ fnv1a(include_bytes!("../cgroup/mod.rs")).rotate_left(13);
 
 /// `gpucp-shim --protocol` prints [`SHIM_PROTOCOL`].
 pub const SHIM_PROTOCOL_FLAG: &str = "--protocol";
@@ -232,6 +251,13 @@ pub fn shim_main(args: Vec<String>) -> i32 {
     }
 
     let (status, fenced) = run_command(&args);
+    // Before the exit is recorded: once the agent reports it, the allocation's GPUs are
+    // placed again, and nothing of this job may still hold them (invariant 1).
+    if let Some(cg) = &args.cgroup
+        && let Err(e) = cg.kill_all()
+    {
+        eprintln!("node-agent shim: stopping what the command left in its cgroup failed: {e}");
+    }
     let record = ShimExitRecord {
         status,
         at_ms: now_ms(),
@@ -316,6 +342,11 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
             return (ChildStatus::Exited { code: 126 }, false);
         }
     };
+    let join = args
+        .cgroup
+        .as_ref()
+        .map(crate::cgroup::AllocationCgroup::procs_files_c)
+        .unwrap_or_default();
     let mut command = Command::new(&args.command[0]);
     command
         .args(&args.command[1..])
@@ -330,7 +361,10 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
         // SAFETY: runs between fork and exec in the child; sigemptyset, pthread_sigmask and
         // signal are async-signal-safe and touch only the child.
         unsafe {
-            command.pre_exec(|| {
+            command.pre_exec(move || {
+                // Into the allocation's cgroup first: a command that cannot be confined
+                // does not run (spawn fails with the error, reported as 126).
+                crate::cgroup::join_current_process(&join)?;
                 let mut empty: libc::sigset_t = std::mem::zeroed();
                 libc::sigemptyset(&mut empty);
                 libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());

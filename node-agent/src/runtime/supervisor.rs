@@ -27,7 +27,7 @@ use super::record::{
 };
 use super::record_log::RecordLog;
 use super::shim::ShimArgs;
-use super::types::{LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason};
+use super::types::{ExitKind, LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason};
 
 /// One allocation as the runtime tracks it.
 #[derive(Debug)]
@@ -92,6 +92,7 @@ impl Runtime {
                     allocation_id: id,
                     kind: exit.kind.clone(),
                     at_ms: exit.at_ms,
+                    usage: exit.usage,
                 });
             }
             let launching = record.is_live() && record.shim_pid.is_none();
@@ -161,7 +162,22 @@ impl Runtime {
         remove_if_present(&self.layout.legacy_exit_file(id))?;
 
         let mut record = AllocationRecord::launching(spec, now_ms());
-        self.log.put(&record)?;
+        if let Some(cgroups) = &self.config.cgroups {
+            let limits = cgroup_limits(&record.spec, self.config.driver_majors);
+            let (cg, enforced) = cgroups
+                .create(&cgroup_name(id), &limits)
+                .map_err(|source| RuntimeError::Cgroup {
+                    allocation: id,
+                    source,
+                })?;
+            tracing::debug!(allocation = id, enforced = %enforced.describe(), "cgroup created");
+            record.cgroup = Some(cg);
+            record.enforced = Some(enforced);
+        }
+        if let Err(e) = self.log.put(&record) {
+            self.remove_cgroup(&record);
+            return Err(e);
+        }
 
         let shim_args = ShimArgs {
             await_go: true,
@@ -171,6 +187,7 @@ impl Runtime {
             command: record.spec.command.clone(),
             lease_file: self.config.lease_file.clone(),
             fence_grace: self.config.fence_grace,
+            cgroup: record.cgroup.clone(),
         };
         let env = command_env(&record.spec, |key| std::env::var(key).ok());
         let mut command = Command::new(&self.config.shim_program);
@@ -193,6 +210,7 @@ impl Runtime {
         let mut child = match command.spawn() {
             Ok(child) => child,
             Err(source) => {
+                self.remove_cgroup(&record);
                 if let Err(e) = self.log.forget(id) {
                     tracing::error!(allocation = id, error = %e, "cannot forget the record of a launch whose shim did not start; the next start reports it as vanished");
                 }
@@ -459,6 +477,9 @@ impl Runtime {
         drop(child.stdin.take()); // EOF: the shim exits by itself even if kill fails.
         let _ = child.kill();
         let _ = child.wait();
+        if let Some(entry_record) = self.log_record(id) {
+            self.remove_cgroup(&entry_record);
+        }
         if let Err(e) = self.log.forget(id) {
             tracing::error!(allocation = id, error = %e, "cannot remove record of an aborted launch; the next start reports it as vanished");
         }
@@ -555,6 +576,7 @@ impl Runtime {
             Probe::Zombie => {
                 // The zombie still reserves the pid, so the group id cannot be anybody else's.
                 let _ = signal_group(pid, libc::SIGKILL);
+                self.kill_cgroup(id);
                 let fate = match try_reap(pid) {
                     Reap::Reaped(status) => ShimFate::Reaped(status),
                     Reap::NotOurChild | Reap::StillRunning => ShimFate::Gone,
@@ -566,6 +588,7 @@ impl Runtime {
                 // killed); while any member lives the group id cannot be reused, so this
                 // reaches only our processes.
                 let _ = signal_group(pid, libc::SIGKILL);
+                self.kill_cgroup(id);
                 self.settle(id, ShimFate::Gone, now);
             }
             Probe::Reused => self.settle(id, ShimFate::PidReused, now),
@@ -606,6 +629,39 @@ impl Runtime {
         if let Err(e) = signal_group(pid, libc::SIGKILL) {
             tracing::error!(allocation = id, error = %e, "cannot SIGKILL process group");
         }
+        // Processes that left the group (setsid, daemonised) are still in the cgroup.
+        self.kill_cgroup(id);
+    }
+
+    /// Kills every process in allocation `id`'s cgroup, if it has one.
+    fn kill_cgroup(&self, id: u64) {
+        let Some(cg) = self.entries.get(&id).and_then(|e| e.record.cgroup.as_ref()) else {
+            return;
+        };
+        match cg.kill_all() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                allocation = id,
+                processes = n,
+                "killed what was left in the allocation's cgroup"
+            ),
+            Err(e) => {
+                tracing::error!(allocation = id, error = %e, "cannot empty the allocation's cgroup")
+            }
+        }
+    }
+
+    /// Removes a record's cgroup (emptied first); a failure is logged, the directory stays.
+    fn remove_cgroup(&self, record: &AllocationRecord) {
+        let Some(cg) = &record.cgroup else { return };
+        if let Err(e) = cg.kill_all().and_then(|_| cg.remove()) {
+            tracing::warn!(allocation = record.id(), error = %e, "cannot remove the allocation's cgroup");
+        }
+    }
+
+    /// The record of a launch not yet in `entries` (what `abort_launch` undoes).
+    fn log_record(&self, id: u64) -> Option<AllocationRecord> {
+        self.log.get(id)
     }
 
     /// Where allocation `id`'s shim writes its exit file: `logs/<id>.exit.json`; when that is
@@ -645,8 +701,22 @@ impl Runtime {
         let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
-        let kind = classify(&entry.record, exit.as_ref(), &fate);
+        let mut kind = classify(&entry.record, exit.as_ref(), &fate);
         let at_ms = exit.map_or(now, |e| e.at_ms);
+        let usage = entry.record.cgroup.as_ref().map(|cg| {
+            if let Err(e) = cg.kill_all() {
+                tracing::error!(allocation = id, error = %e, "cannot empty the allocation's cgroup");
+            }
+            cg.usage()
+        });
+        if let Some(u) = usage
+            && u.oom_kills > 0
+            && matches!(kind, ExitKind::Signaled { .. } | ExitKind::Exited { code: i32::MIN..=-1 | 1.. })
+        {
+            kind = ExitKind::OutOfMemory {
+                limit_mib: entry.record.spec.memory_mib,
+            };
+        }
         if let Err(e) = append_usage(
             &self.layout.journal(),
             &UsageRecord::Stop {
@@ -662,13 +732,45 @@ impl Runtime {
         entry.record.exit = Some(RecordedExit {
             kind: kind.clone(),
             at_ms,
+            usage,
         });
+        let cgroup = entry.record.cgroup.clone();
         self.persist(id);
+        if let Some(cg) = cgroup
+            && let Err(e) = cg.remove()
+        {
+            tracing::warn!(allocation = id, error = %e, "cannot remove the allocation's cgroup");
+        }
         self.pending.push(RuntimeEvent::Exited {
             allocation_id: id,
             kind,
             at_ms,
+            usage,
         });
+    }
+}
+
+/// The cgroup of allocation `id`.
+fn cgroup_name(id: u64) -> String {
+    format!("alloc-{id}")
+}
+
+/// What a spec's cgroup limits: its memory (hard), its CPU quota, and devices to its own
+/// GPUs' nodes plus what every process needs.
+fn cgroup_limits(
+    spec: &LaunchSpec,
+    majors: crate::cgroup::devices::DriverMajors,
+) -> crate::cgroup::Limits {
+    crate::cgroup::Limits {
+        memory_bytes: (spec.memory_mib > 0).then_some(spec.memory_mib.saturating_mul(1 << 20)),
+        cpu_milli: (spec.cpu_milli > 0).then_some(spec.cpu_milli),
+        cpus: None,
+        mems: None,
+        devices: Some(crate::cgroup::devices::allocation_rules(
+            &spec.gpu_minors,
+            &[],
+            majors,
+        )),
     }
 }
 
@@ -752,6 +854,8 @@ mod tests {
             stop_grace: Duration::from_secs(1),
             lease_file: None,
             fence_grace: Duration::from_secs(1),
+            cgroups: None,
+            driver_majors: Default::default(),
         }
     }
 
@@ -767,6 +871,9 @@ mod tests {
             time_limit: None,
             share: None,
             mig_parents: BTreeMap::new(),
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpu_minors: Vec::new(),
         }
     }
 

@@ -49,6 +49,20 @@ pub struct LaunchSpec {
     /// whole (see `ledger.rs`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mig_parents: BTreeMap<String, String>,
+    /// CPU (thousandths of a CPU) and memory (MiB) the job asked for: its cgroup's quota and
+    /// hard limit where cgroups are enforced. 0: not limited.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cpu_milli: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub memory_mib: u64,
+    /// Minors of the allocation's GPUs' device nodes (`/dev/nvidiaN`; a MIG slice's parent
+    /// GPU): what its cgroup lets it open.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_minors: Vec<u32>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A share of one GPU, used through CUDA MPS: a fraction of its compute and a limit on its
@@ -95,6 +109,9 @@ pub enum ExitKind {
     /// The runtime stopped the process group on request ([`super::Runtime::stop`]), however
     /// the process then ended (by the SIGTERM, the SIGKILL, or on its own meanwhile).
     Stopped,
+    /// The command went past its memory limit and the kernel's OOM killer killed it (or a
+    /// process of it, after which it failed).
+    OutOfMemory { limit_mib: u64 },
     /// The process is gone and left no exit record, so how it ended is unknown (for example
     /// its supervisor was killed, or the agent crashed while launching it). `reason` says
     /// what the runtime saw.
@@ -116,6 +133,9 @@ pub enum RuntimeEvent {
         /// Wall-clock milliseconds since the Unix epoch: when the command ended if its
         /// supervisor recorded it, else when the runtime noticed.
         at_ms: u64,
+        /// What its cgroup measured, where it had one.
+        #[serde(default)]
+        usage: Option<crate::cgroup::Usage>,
     },
 }
 
@@ -140,6 +160,11 @@ pub struct RuntimeConfig {
     /// control plane places the job elsewhere once its own grace has passed, and the fenced
     /// copy must be gone by then.
     pub fence_grace: Duration,
+    /// Where allocations get cgroups of their own (`None`: not enforced, and the node says
+    /// so when it registers).
+    pub cgroups: Option<crate::cgroup::Cgroups>,
+    /// Majors of the NVIDIA driver's dynamic devices, for the cgroups' device rules.
+    pub driver_majors: crate::cgroup::devices::DriverMajors,
 }
 
 impl RuntimeConfig {
@@ -158,6 +183,8 @@ impl RuntimeConfig {
             stop_grace: DEFAULT_STOP_GRACE,
             lease_file: None,
             fence_grace: DEFAULT_FENCE_GRACE,
+            cgroups: None,
+            driver_majors: Default::default(),
         })
     }
 }
@@ -182,6 +209,14 @@ pub enum RuntimeError {
     },
     #[error("allocation {0} is not known to this host's runtime")]
     Unknown(u64),
+    #[error(
+        "cannot create allocation {allocation}'s cgroup: {source}; the allocation was not          started (it never runs unconfined on a node that enforces)"
+    )]
+    Cgroup {
+        allocation: u64,
+        #[source]
+        source: io::Error,
+    },
     #[error(
         "allocation {0} is still running; stop it and wait for its exit event before \
          forgetting it"

@@ -275,7 +275,7 @@ impl AgentApi for AgentService {
             |caller, req| async move {
                 caller.require_node(&req.node)?;
                 require_live_leader(r, config)?;
-                let registered_at = {
+                let (registered_at, register_again) = {
                     let data = r.sm.read_async().await;
                     check_node_exists(&data.cluster, &req.node)?;
                     let node = &data.cluster.nodes[&req.node];
@@ -286,7 +286,11 @@ impl AgentApi for AgentService {
                         ))
                         .into());
                     }
-                    node.registered_at
+                    // Registered while the cluster version was 1 (a cluster's first seconds, or
+                    // before an upgrade finished): what format 2 records was left out.
+                    let register_again = data.cluster.cluster_version.allows(2)
+                        && node.spec.agent_release.is_empty();
+                    (node.registered_at, register_again)
                 };
                 let limit = config.node_lease + config.node_grace;
                 if let Err(silent) = liveness.renew(&req.node, limit, r.now_ms(), registered_at) {
@@ -302,6 +306,7 @@ impl AgentApi for AgentService {
                 Ok(pa::HeartbeatResponse {
                     term: r.raft.metrics().borrow().current_term,
                     lease_ms: config.node_lease.as_millis() as u64,
+                    register_again,
                 })
             },
             |ch, req| async move { AgentApiClient::new(ch).heartbeat(req).await },

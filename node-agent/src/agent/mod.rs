@@ -194,6 +194,9 @@ pub struct Agent {
     /// Set by the Restart RPC; stops the server, after which [`run`] returns `Restart`.
     restart: Notify,
     restart_requested: std::sync::atomic::AtomicBool,
+    /// A simulated host's GPU device nodes: real character devices with NVIDIA's major and
+    /// each GPU's index as minor, so device confinement can be shown without a GPU.
+    device_dir: Option<PathBuf>,
     /// What this node enforces on its allocations ("cgroup v1: devices, memory, cpu, cpuset"),
     /// or "unenforced: why"; sent with every registration.
     enforcement: String,
@@ -351,7 +354,12 @@ impl Agent {
                         );
                         continue;
                     }
-                    let spec = launch_spec(&self.inventory, &a);
+                    let mut spec = launch_spec(&self.inventory, &a);
+                    if let Some(dir) = &self.device_dir {
+                        // Where a simulated host's device nodes are (real hosts: /dev).
+                        spec.env
+                            .insert("GPUCP_DEVICE_DIR".into(), dir.display().to_string());
+                    }
                     if let Err(busy @ crate::runtime::RuntimeError::GpuBusy { .. }) =
                         st.runtime.check_gpus_free(&spec)
                     {
@@ -552,6 +560,48 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
     }
 }
 
+/// Creates `dir/nvidiaN` for each simulated GPU and `dir/nvidiactl`, as the driver does in
+/// /dev. Opening one reaches no driver (ENXIO) when the cgroup allows it, and stops at the
+/// cgroup (EPERM) when it does not. Needs CAP_MKNOD; without it the host has no nodes.
+fn simulated_device_nodes(dir: &std::path::Path, inventory: &HostInventory) -> Option<PathBuf> {
+    use crate::cgroup::devices::{NVIDIA_MAJOR, NVIDIACTL_MINOR};
+    let make = |name: String, minor: u32| -> std::io::Result<()> {
+        let path = dir.join(name);
+        if path.exists() {
+            return Ok(());
+        }
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(std::io::Error::other)?;
+        // SAFETY: a NUL-terminated path; makedev only combines numbers.
+        let rc = unsafe {
+            libc::mknod(
+                c.as_ptr(),
+                libc::S_IFCHR | 0o666,
+                libc::makedev(NVIDIA_MAJOR, minor),
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    let made = std::fs::create_dir_all(dir).and_then(|()| {
+        make("nvidiactl".into(), NVIDIACTL_MINOR)?;
+        for g in &inventory.gpus {
+            make(format!("nvidia{}", g.index), g.index)?;
+        }
+        Ok(())
+    });
+    match made {
+        Ok(()) => Some(dir.to_owned()),
+        Err(e) => {
+            tracing::info!(dir = %dir.display(), error = %e, "no simulated GPU device nodes (mknod needs CAP_MKNOD)");
+            None
+        }
+    }
+}
+
 /// The device minors (`/dev/nvidiaN`) of `uuids`: a GPU's index, a MIG slice's parent's.
 fn gpu_minors(inventory: &HostInventory, uuids: &[String]) -> Vec<u32> {
     let mut minors: Vec<u32> = uuids
@@ -670,6 +720,10 @@ pub async fn run(
     tracing::info!(node = %config.name, gpus = inventory.gpus.len(), driver = %inventory.driver, "GPU inventory");
     let incarnation = load_or_create_incarnation(&config.state_dir)?;
     let (cgroups, enforcement) = setup_enforcement(config.cgroups, &config.name, &incarnation)?;
+    let device_dir = match &simulated {
+        Some(_) => simulated_device_nodes(&config.state_dir.join("dev"), &inventory),
+        None => None,
+    };
     let driver_majors = crate::cgroup::devices::DriverMajors::parse(
         &std::fs::read_to_string("/proc/devices").unwrap_or_default(),
     );
@@ -715,6 +769,7 @@ pub async fn run(
         restart_requested: std::sync::atomic::AtomicBool::new(false),
         registrations: tokio::sync::watch::Sender::new(0),
         enforcement,
+        device_dir,
     });
     let transport = agent.config.transport.clone();
     let restart_asked = {
@@ -845,7 +900,7 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
                 })
                 .await
             {
-                Ok(_) => {
+                Ok(resp) => {
                     let mut st = agent.lock();
                     st.lease_renewed = Some(sent_at);
                     if st.fenced {
@@ -854,6 +909,12 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
                     }
                     drop(st);
                     agent.publish_lease(sent_at_ms + lease.as_millis() as u64);
+                    if resp.register_again {
+                        tracing::info!(
+                            "the control plane now records more of this node (its cluster version was raised); registering again"
+                        );
+                        break;
+                    }
                 }
                 Err(s)
                     if matches!(

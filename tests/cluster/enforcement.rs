@@ -1,0 +1,189 @@
+//! Enforced isolation on real agents (simulated GPUs with real device nodes, real processes,
+//! the host's real cgroup hierarchy): a job opens only its own GPU's device node, even with
+//! `CUDA_VISIBLE_DEVICES` unset; a cancelled job leaves nothing behind, even a process that
+//! left its session; `--mem` is a hard limit reported as "out of memory"; and the node says
+//! what it enforces.
+
+use std::time::Duration;
+
+use control_plane::client::with_timeout;
+use proto::v1 as pb;
+
+use crate::util::*;
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(30);
+
+async fn stdout_of(client: &mut control_plane::client::Client, job: u64) -> String {
+    let logs = client
+        .call(|mut c, t| async move {
+            c.read_job_logs(with_timeout(
+                pb::ReadJobLogsRequest {
+                    job_id: job,
+                    tail_bytes: 0,
+                },
+                t,
+            ))
+            .await
+        })
+        .await
+        .expect("reading the job's logs");
+    String::from_utf8_lossy(&logs.stdout).into_owned()
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_opens_only_its_own_gpus_device_node_even_without_cuda_visible_devices() {
+    if !is_root() {
+        eprintln!("creating cgroups and device nodes needs root; not run");
+        return;
+    }
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+
+    step("the node registered what it enforces");
+    let (ok, out, _) = gpuctl(&c, &["nodes"]);
+    assert!(
+        ok && out.contains("ENFORCED") && out.contains("cgroup-v1"),
+        "{out}"
+    );
+    let node = &list_nodes(&mut client).await[0];
+    assert!(
+        node.enforcement
+            .starts_with("cgroup v1: devices, memory, cpu, kill"),
+        "{node:?}"
+    );
+
+    step("a one-GPU job tries every GPU's device node, with CUDA_VISIBLE_DEVICES unset");
+    let script = "echo \"mine $CUDA_VISIBLE_DEVICES\"; unset CUDA_VISIBLE_DEVICES NVIDIA_VISIBLE_DEVICES; \
+                  for n in 0 1 2 3; do echo \"nvidia$n $(cat $GPUCP_DEVICE_DIR/nvidia$n 2>&1 </dev/null)\"; done; \
+                  echo \"nvidiactl $(cat $GPUCP_DEVICE_DIR/nvidiactl 2>&1 </dev/null)\"";
+    let id = submit(&mut client, shell_job(1, script), "")
+        .await
+        .unwrap()
+        .id;
+    wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+    let out = stdout_of(&mut client, id).await;
+    let mine_uuid = out
+        .lines()
+        .find_map(|l| l.strip_prefix("mine "))
+        .expect("the job printed its GPU");
+    let mine = node
+        .gpus
+        .iter()
+        .find(|g| g.uuid == mine_uuid)
+        .expect("its GPU is the node's")
+        .index;
+    for n in 0..4u32 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("nvidia{n} ")))
+            .unwrap_or_else(|| panic!("no line for nvidia{n}: {out}"));
+        if n == mine {
+            assert!(
+                line.contains("No such device"),
+                "its own GPU's node must pass the cgroup (and find no driver): {line}"
+            );
+        } else {
+            assert!(
+                line.contains("Operation not permitted"),
+                "another GPU's node must be refused by the cgroup: {line}"
+            );
+        }
+    }
+    assert!(
+        out.contains("nvidiactl")
+            && !out
+                .lines()
+                .any(|l| l.starts_with("nvidiactl") && l.contains("not permitted")),
+        "{out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_job_leaves_no_process_behind_even_one_that_left_its_session() {
+    if !is_root() {
+        eprintln!("creating cgroups needs root; not run");
+        return;
+    }
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let pid_file = c.root.join("escaped.pid");
+    let script = format!(
+        "setsid sh -c 'echo $$ > {p}.tmp && mv {p}.tmp {p}; exec sleep 1000' & sleep 1000",
+        p = pid_file.display()
+    );
+    let id = submit(&mut client, shell_job(1, &script), "")
+        .await
+        .unwrap()
+        .id;
+    let deadline = std::time::Instant::now() + JOB_TIMEOUT;
+    let pid: i32 = loop {
+        if let Ok(text) = std::fs::read_to_string(&pid_file) {
+            break text.trim().parse().expect("a pid");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job never wrote its escaped pid"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+
+    step("cancel: the process in its own session dies with the job");
+    let (ok, _, err) = gpuctl(&c, &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+    wait_job(&mut client, id, JOB_TIMEOUT, "cancelled", |j| {
+        j.state == "cancelled"
+    })
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().next().map(str::to_owned))
+            });
+        if state.as_deref().is_none_or(|s| s == "Z") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid}, which left the job's session, survived its cancel (state {state:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_past_its_memory_limit_is_reported_out_of_memory() {
+    if !is_root() {
+        eprintln!("creating cgroups needs root; not run");
+        return;
+    }
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let job = pb::JobSpec {
+        memory_mib_per_task: 32,
+        // dd fills a 256 MiB buffer.
+        ..shell_job(1, "dd if=/dev/zero of=/dev/null bs=256M count=1")
+    };
+    let id = submit(&mut client, job, "").await.unwrap().id;
+    let done = wait_job(&mut client, id, JOB_TIMEOUT, "failed", |j| {
+        j.state == "failed"
+    })
+    .await;
+    let reason = &done.history.last().unwrap().reason;
+    assert!(reason.contains("out of memory"), "{done:#?}");
+    assert!(reason.contains("32 MiB"), "{reason}");
+    let (ok, out, _) = gpuctl(&c, &["show", &id.to_string()]);
+    assert!(ok && out.contains("out of memory"), "{out}");
+}

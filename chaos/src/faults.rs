@@ -378,21 +378,39 @@ impl Injector<'_> {
             learner_only: false,
             force: false,
         };
-        client
-            .call(|mut c, t| {
-                let r = req.clone();
-                async move { c.add_replica(with_timeout(r, t)).await }
-            })
-            .await
-            .with_context(|| format!("adding replica {id} at {addr}"))?;
+        // A leader change during the add (an election storm on a loaded machine) fails it;
+        // the operator runs it again, and so does the harness (an add of a learner goes on
+        // from where it stopped).
+        let deadline = t_add + self.timings.recover;
+        let mut add_tries = 0;
+        let s = loop {
+            add_tries += 1;
+            let added = client
+                .call(|mut c, t| {
+                    let r = req.clone();
+                    async move { c.add_replica(with_timeout(r, t)).await }
+                })
+                .await;
+            let s = self.leader().await?;
+            if s.members.iter().any(|m| m.id == id && m.role == "voter") {
+                break s;
+            }
+            match added {
+                Ok(_) => bail!(
+                    "AddReplica answered, yet replica {id} is not a voter: {:?}",
+                    s.members
+                ),
+                Err(e) if Instant::now() > deadline => {
+                    return Err(anyhow::anyhow!("{e}"))
+                        .with_context(|| format!("adding replica {id} at {addr}"));
+                }
+                Err(e) => {
+                    eprintln!("chaos: adding replica {id} failed ({e}); trying again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
         let promoted_after = t_add.elapsed();
-        let s = self.leader().await?;
-        if !s.members.iter().any(|m| m.id == id && m.role == "voter") {
-            bail!(
-                "AddReplica answered, yet replica {id} is not a voter: {:?}",
-                s.members
-            );
-        }
 
         let members: Vec<u64> = self.cluster.replicas.keys().copied().collect();
         let victim = removal_target(self.replica_changes, &members, s.leader, id, &mut self.rng)
@@ -403,32 +421,41 @@ impl Injector<'_> {
         client.attempt_timeout = self.timings.recover;
         client.deadline = self.timings.recover;
         client.retry_deadline_exceeded = false;
-        let removed = client
-            .call(|mut c, t| async move {
-                c.remove_replica(with_timeout(
-                    pb::RemoveReplicaRequest {
-                        id: victim,
-                        force: false,
-                    },
-                    t,
-                ))
-                .await
-            })
-            .await;
-        let answered = Instant::now();
-        if let Err(e) = removed {
-            // A retried call finds it gone already ("not a member"): done, if the others agree.
+        let t_remove = Instant::now();
+        let mut remove_tries = 0;
+        loop {
+            remove_tries += 1;
+            let removed = client
+                .call(|mut c, t| async move {
+                    c.remove_replica(with_timeout(
+                        pb::RemoveReplicaRequest {
+                            id: victim,
+                            force: false,
+                        },
+                        t,
+                    ))
+                    .await
+                })
+                .await;
+            let Err(e) = removed else { break };
+            // Already gone (a retried call finds it "not a member")? Ask the others.
             let leader = self.leader_among(&survivors).await?;
-            let still = self
+            let gone = self
                 .cluster
                 .status(leader)
                 .await
-                .is_none_or(|s| s.members.iter().any(|m| m.id == victim));
-            if still {
+                .is_some_and(|s| !s.members.iter().any(|m| m.id == victim));
+            if gone {
+                break;
+            }
+            if t_remove.elapsed() > self.timings.recover {
                 return Err(anyhow::anyhow!("{e}"))
                     .with_context(|| format!("removing replica {victim}"));
             }
+            eprintln!("chaos: removing replica {victim} failed ({e}); trying again");
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        let answered = Instant::now();
 
         // The removed process must say it was removed (or exit), and then stay out.
         let (stopped_after, mut exited, term_when_stopped) = loop {
@@ -498,8 +525,9 @@ impl Injector<'_> {
             format!("replica {id} added, replica {victim} removed"),
             at,
             format!(
-                "replica {id} a voter {} ms after AddReplica; replica {victim}{} removed, {} \
-                 {} ms after the answer; members now {:?}",
+                "replica {id} a voter {} ms after AddReplica ({add_tries} call(s)); replica \
+                 {victim}{} removed ({remove_tries} call(s)), {} {} ms after the answer; \
+                 members now {:?}",
                 ms(promoted_after),
                 if was_leader { " (the leader)" } else { "" },
                 if exited {

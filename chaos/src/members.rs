@@ -120,6 +120,21 @@ pub fn next_build(
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn clients_follow_the_members_once_per_change() {
+        let eps = Endpoints::new(vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()]);
+        let creds = Credentials::insecure();
+        let (mut seen, addrs) = eps.get();
+        let mut client = Client::new(&addrs, &creds).unwrap();
+        client.deadline = std::time::Duration::from_secs(7);
+        assert!(eps.refreshed(&mut seen, &client, &creds).is_none());
+        eps.set(vec!["127.0.0.1:2".into(), "127.0.0.1:3".into()]);
+        let fresh = eps.refreshed(&mut seen, &client, &creds).unwrap();
+        assert_eq!(fresh.endpoints(), ["127.0.0.1:2", "127.0.0.1:3"]);
+        assert_eq!(fresh.deadline, client.deadline);
+        assert!(eps.refreshed(&mut seen, &fresh, &creds).is_none());
+    }
+
     #[test]
     fn new_ids_are_never_reused() {
         assert_eq!(next_replica_id(&BTreeSet::new()), 1);

@@ -73,10 +73,10 @@ fn ci_scenario_has_no_violations() {
     }
     assert_eq!(faults["replica_add_remove"], 1, "{summary:#}");
     assert_eq!(faults["replica_upgrade"], 1, "{summary:#}");
-    // The first membership change removes the leader; the removed replica said so.
+    // The first membership change removes the leader (unless an election made the new replica
+    // the leader meanwhile: it is never the one removed); the removed replica said so.
     let changes = &summary["replica_changes"];
     assert_eq!(changes["n"], 1, "{summary:#}");
-    assert_eq!(changes["leader_removals"], 1, "{summary:#}");
     assert_eq!(
         changes["removed_stop_ms"].as_array().map(Vec::len),
         Some(1),

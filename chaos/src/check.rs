@@ -44,6 +44,7 @@ pub const QUEUE_ORDER: &str = "queue_order_preserved";
 pub const PROGRESS: &str = "runnable_jobs_placed_after_faults";
 pub const NO_STALE_LEADER: &str = "no_decision_from_a_stale_leader";
 pub const NO_CRASH: &str = "no_process_crashed";
+pub const REMOVED_STAYS_OUT: &str = "removed_replica_stays_out";
 
 struct Collector {
     result: InvariantResult,
@@ -80,6 +81,7 @@ pub fn check(events: &[Event]) -> Report {
             progress(events),
             no_stale_leader(events),
             no_crash(events),
+            removed_stays_out(events),
         ],
     }
 }
@@ -547,6 +549,39 @@ fn no_crash(events: &[Event]) -> InvariantResult {
     c.result
 }
 
+/// A replica removed from the membership stops taking part: it says it was removed (or exits)
+/// and never campaigns again (its term does not climb while it is watched).
+fn removed_stays_out(events: &[Event]) -> InvariantResult {
+    let mut c = Collector::new(
+        REMOVED_STAYS_OUT,
+        "a removed replica stops or goes inert (no campaigning: its term does not climb)",
+    );
+    for e in events {
+        if let Event::MemberChange {
+            removed,
+            stopped_after_ms,
+            exited_by_itself,
+            term_when_stopped,
+            term_after_watch,
+            watched_ms,
+            ..
+        } = e
+        {
+            if stopped_after_ms.is_none() {
+                c.violation(format!(
+                    "replica {removed} neither said it was removed nor exited after its removal"
+                ));
+            } else if !exited_by_itself && term_after_watch > term_when_stopped {
+                c.violation(format!(
+                    "removed replica {removed} went from term {term_when_stopped} to \
+                     {term_after_watch} within {watched_ms} ms: it campaigned"
+                ));
+            }
+        }
+    }
+    c.result
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -877,5 +912,41 @@ mod tests {
         let r = check(&events);
         assert_eq!(only(&r, NO_STALE_LEADER), 1);
         assert!(r.get(NO_STALE_LEADER).unwrap().evidence[0].contains("allocation 11"));
+    }
+
+    fn member_change(stopped: Option<u64>, term_before: u64, term_after: u64) -> Event {
+        Event::MemberChange {
+            at_ms: 1,
+            added: 4,
+            promoted_after_ms: 1200,
+            removed: 1,
+            removed_was_leader: true,
+            stopped_after_ms: stopped,
+            exited_by_itself: false,
+            term_when_stopped: term_before,
+            term_after_watch: term_after,
+            watched_ms: 1000,
+            members: vec![],
+        }
+    }
+
+    #[test]
+    fn a_removed_replica_that_stays_out_passes() {
+        let events = vec![member_change(Some(30), 7, 7), final_state(vec![])];
+        assert_eq!(only(&check(&events), REMOVED_STAYS_OUT), 0);
+    }
+
+    #[test]
+    fn a_removed_replica_that_campaigns_or_never_stops_is_reported() {
+        let events = vec![
+            member_change(Some(30), 7, 9),
+            member_change(None, 7, 7),
+            final_state(vec![]),
+        ];
+        let r = check(&events);
+        assert_eq!(only(&r, REMOVED_STAYS_OUT), 2);
+        let evidence = &r.get(REMOVED_STAYS_OUT).unwrap().evidence;
+        assert!(evidence[0].contains("term 7 to 9"), "{evidence:?}");
+        assert!(evidence[1].contains("neither"), "{evidence:?}");
     }
 }

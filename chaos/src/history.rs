@@ -54,6 +54,41 @@ pub enum Event {
         injected_ms: u64,
         committed_ms: u64,
     },
+    /// A membership change (`replica_add_remove`): replica `added` started empty, added with
+    /// AddReplica and a voter `promoted_after_ms` after the call; then replica `removed` (the
+    /// leader when `removed_was_leader`) taken out with RemoveReplica. `stopped_after_ms`: from
+    /// the removal's answer until the removed process said it was removed (or exited); None if
+    /// it did neither within the limit. Its term, read when it stopped and again after
+    /// `watched_ms`, must not climb (a removed replica must not campaign). `members`: the
+    /// replicas the harness talks to from now on.
+    MemberChange {
+        at_ms: u64,
+        added: u64,
+        promoted_after_ms: u64,
+        removed: u64,
+        removed_was_leader: bool,
+        stopped_after_ms: Option<u64>,
+        exited_by_itself: bool,
+        term_when_stopped: u64,
+        term_after_watch: u64,
+        watched_ms: u64,
+        members: Vec<Member>,
+    },
+    /// A replica restarted on another build (`replica_upgrade`): SIGTERM (SIGKILL once
+    /// `sigkilled`), restarted from `to` (a file; the running process's /proc/PID/exe was
+    /// checked to be it), caught up `caught_up_after_ms` after the signal.
+    Upgrade {
+        at_ms: u64,
+        replica: u64,
+        was_leader: bool,
+        from: String,
+        to: String,
+        exe: String,
+        sigkilled: bool,
+        exited_after_ms: u64,
+        caught_up_after_ms: u64,
+        cluster_version: u32,
+    },
     /// The live jobs as one replica's applied state showed them at `at_ms`.
     Snapshot { at_ms: u64, jobs: Vec<JobView> },
     /// One line of an agent's GPU usage journal (process start/stop on which GPUs).
@@ -129,10 +164,12 @@ pub enum FaultKind {
     AgentKill,
     ReplicaWipe,
     RollingRestart,
+    ReplicaAddRemove,
+    ReplicaUpgrade,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 8] = [
+    pub const ALL: [FaultKind; 10] = [
         FaultKind::LeaderKill,
         FaultKind::FollowerKill,
         FaultKind::LeaderPause,
@@ -141,6 +178,8 @@ impl FaultKind {
         FaultKind::AgentKill,
         FaultKind::ReplicaWipe,
         FaultKind::RollingRestart,
+        FaultKind::ReplicaAddRemove,
+        FaultKind::ReplicaUpgrade,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -153,6 +192,8 @@ impl FaultKind {
             FaultKind::AgentKill => "agent_kill",
             FaultKind::ReplicaWipe => "replica_wipe",
             FaultKind::RollingRestart => "rolling_restart",
+            FaultKind::ReplicaAddRemove => "replica_add_remove",
+            FaultKind::ReplicaUpgrade => "replica_upgrade",
         }
     }
 }

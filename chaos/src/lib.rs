@@ -6,6 +6,7 @@
 pub mod check;
 pub mod faults;
 pub mod history;
+pub mod members;
 pub mod partition;
 pub mod scenario;
 pub mod summary;

@@ -88,6 +88,20 @@ struct RunArgs {
     /// SIGTERM and restart of every replica in turn.
     #[arg(long, default_value_t = 1)]
     rolling_restarts: usize,
+    /// A new replica added (a learner, then a voter), then another member removed (the leader
+    /// every other time): the removed one must stop or go inert.
+    #[arg(long, default_value_t = 1)]
+    replica_changes: usize,
+    /// A replica (the leader every other time) stopped with SIGTERM and restarted on another
+    /// build: a fresh copy of this one, or with --previous-release, that release and back.
+    #[arg(long, default_value_t = 1)]
+    replica_upgrades: usize,
+    /// Directory with the previous release's `control-plane` (and `node-agent`), e.g.
+    /// target/previous-release/target/debug as tests/upgrade/build-previous-release.sh builds
+    /// it: the replicas (and agents) start on it and --replica-upgrades moves replicas to this
+    /// build (and back while the cluster version is 1).
+    #[arg(long, value_name = "DIR")]
+    previous_release: Option<PathBuf>,
     /// Seed of the workload and of the fault schedule.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -203,6 +217,8 @@ fn run_command(a: RunArgs) -> anyhow::Result<ExitCode> {
         (FaultKind::AgentKill, a.agent_kills),
         (FaultKind::ReplicaWipe, a.wipes),
         (FaultKind::RollingRestart, a.rolling_restarts),
+        (FaultKind::ReplicaAddRemove, a.replica_changes),
+        (FaultKind::ReplicaUpgrade, a.replica_upgrades),
     ] {
         faults.counts.insert(k, if a.no_faults { 0 } else { n });
     }
@@ -228,6 +244,7 @@ fn run_command(a: RunArgs) -> anyhow::Result<ExitCode> {
         timings: Timings::default(),
         endpoints: a.endpoints,
         verbose: true,
+        previous_release: a.previous_release,
     };
     let result = run(opts, stop)?;
     match a.output {

@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use control_plane::client::{Client, with_timeout};
-use control_plane::local_cluster::{LocalCluster, StartMode, free_ports};
+use control_plane::local_cluster::{LocalCluster, free_ports};
 use proto::v1 as pb;
 
 use crate::check::{Report, check};
-use crate::faults::{FaultCounts, Injector, Timings, schedule};
-use crate::history::{Event, JobView, Member, Recorder, now_ms, read};
+use crate::faults::{Builds, FaultCounts, Injector, Timings, schedule};
+use crate::history::{Event, FaultKind, JobView, Member, Recorder, now_ms, read};
+use crate::members::{Build, Endpoints};
 use crate::partition::{Addresses, Partitioner};
 use crate::summary::{Summary, summarize};
 use crate::workload::{Rng, Workload, WorkloadConfig, tenant_limits, tenants};
@@ -65,6 +66,9 @@ pub struct RunOptions {
     pub endpoints: Option<Vec<String>>,
     /// Progress lines on stderr.
     pub verbose: bool,
+    /// A directory with the previous release's `control-plane` (and `node-agent`): the
+    /// replicas start on it and `replica_upgrade` moves them between it and this build.
+    pub previous_release: Option<PathBuf>,
 }
 
 pub struct RunResult {
@@ -128,23 +132,65 @@ pub fn run(opts: RunOptions, stop: Arc<AtomicBool>) -> anyhow::Result<RunResult>
         None
     };
     let addrs = Addresses::for_this_process();
-    let ports = free_ports(3 + AGENTS.len())?;
+    // Replicas added during the run get ids 4, 5, ... and addresses kept for them now.
+    let spares = opts.faults.get(FaultKind::ReplicaAddRemove);
+    let ports = free_ports(3 + AGENTS.len() + spares)?;
     let replica_ips: BTreeMap<u64, std::net::Ipv4Addr> =
         (1..=3).map(|id| (id, addrs.replica(id))).collect();
     let replica_addrs: Vec<String> = (1..=3u64)
         .map(|id| format!("{}:{}", replica_ips[&id], ports[id as usize - 1]))
+        .collect();
+    let spare_addrs: BTreeMap<u64, (String, std::net::Ipv4Addr)> = (0..spares)
+        .map(|i| {
+            let id = 4 + i as u64;
+            let ip = addrs.replica(id);
+            (id, (format!("{ip}:{}", ports[3 + AGENTS.len() + i]), ip))
+        })
         .collect();
     let mut cluster =
         LocalCluster::new_at(&opts.program, &["replica"], &dir, "chaos", &replica_addrs);
     cluster.extra_args = REPLICA_ARGS.iter().map(|s| s.to_string()).collect();
     cluster.bind_source = true;
     cluster.agent_program = Some((opts.program.clone(), vec!["agent".into()]));
+    if spares > 0 {
+        // Agents find the leader by trying every address they were given: as a deployment
+        // lists every address a replica may take, they get the spares' too.
+        cluster.agent_endpoints = Some(
+            replica_addrs
+                .iter()
+                .cloned()
+                .chain(spare_addrs.values().map(|(a, _)| a.clone()))
+                .collect(),
+        );
+    }
+    let mut builds = Builds {
+        current: opts.program.clone(),
+        previous: None,
+        bin_dir: dir.join("bin"),
+        running: BTreeMap::new(),
+        copies: 0,
+        rollbacks: 0,
+    };
+    if let Some(prev) = &opts.previous_release {
+        let (wrapper, control_plane) = previous_release_wrapper(prev, &dir.join("bin"))?;
+        for r in cluster.replicas.values_mut() {
+            r.program = Some(wrapper.clone());
+            builds.running.insert(r.id, Build::Previous);
+        }
+        builds.previous = Some((wrapper, control_plane));
+        // Agents may lag the control plane by one release, not lead it (docs/UPGRADING.md).
+        let agent = prev.join("node-agent");
+        if agent.is_file() {
+            cluster.agent_program = Some((agent, vec![]));
+        }
+    }
     let mut agent_ips = BTreeMap::new();
     for (i, (name, preset)) in AGENTS.iter().enumerate() {
         let ip = addrs.agent(i);
         cluster.add_agent_at(name, preset, &format!("{ip}:{}", ports[3 + i]), &AGENT_ARGS);
         agent_ips.insert(name.to_string(), ip);
     }
+    let retired = Arc::new(std::sync::Mutex::new(Vec::new()));
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -154,13 +200,19 @@ pub fn run(opts: RunOptions, stop: Arc<AtomicBool>) -> anyhow::Result<RunResult>
         &opts,
         &mut cluster,
         partitioner.as_ref(),
-        replica_ips,
-        agent_ips,
+        Placement {
+            replica_ips,
+            agent_ips,
+            spare_addrs,
+            builds,
+            retired: retired.clone(),
+        },
         recorder.clone(),
         stop,
     ));
     // A panic is a finding whatever else happened: record it with the message that follows.
-    let crashes = find_panics(&cluster);
+    let retired = retired.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let crashes = find_panics(&cluster, &retired);
     for (process, line) in &crashes {
         recorder.record(&Event::Crash {
             process: process.clone(),
@@ -203,12 +255,50 @@ pub fn run(opts: RunOptions, stop: Arc<AtomicBool>) -> anyhow::Result<RunResult>
     })
 }
 
+/// Where the run's processes live and what they run, handed to the fault injector.
+struct Placement {
+    replica_ips: BTreeMap<u64, std::net::Ipv4Addr>,
+    agent_ips: BTreeMap<String, std::net::Ipv4Addr>,
+    spare_addrs: BTreeMap<u64, (String, std::net::Ipv4Addr)>,
+    builds: Builds,
+    retired: Arc<std::sync::Mutex<Vec<(String, PathBuf)>>>,
+}
+
+/// A program that runs the previous release's replica where this build's runs: the harness
+/// starts replicas as `PROGRAM replica FLAGS...`, the previous release as `control-plane
+/// FLAGS...`. The script drops `replica` and execs `control-plane` (same pid, so
+/// /proc/PID/exe names it). Returns (wrapper, control-plane).
+fn previous_release_wrapper(
+    dir: &std::path::Path,
+    bin_dir: &std::path::Path,
+) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let control_plane = std::fs::canonicalize(dir.join("control-plane")).with_context(|| {
+        format!(
+            "--previous-release {}: no control-plane binary there (build it with \
+             tests/upgrade/build-previous-release.sh COMMIT OUT_DIR; the binaries are in \
+             OUT_DIR/target/debug)",
+            dir.display()
+        )
+    })?;
+    std::fs::create_dir_all(bin_dir)?;
+    let wrapper = bin_dir.join("previous-replica");
+    let quoted = control_plane.display().to_string().replace('\'', "'\\''");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n# chaos: the previous release's replica\nshift\nexec '{quoted}' \"$@\"\n"
+        ),
+    )?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
+    Ok((wrapper, control_plane))
+}
+
 async fn drive(
     opts: &RunOptions,
     cluster: &mut LocalCluster,
     partitioner: Option<&Partitioner>,
-    replica_ips: BTreeMap<u64, std::net::Ipv4Addr>,
-    agent_ips: BTreeMap<String, std::net::Ipv4Addr>,
+    placement: Placement,
     recorder: Recorder,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
@@ -256,8 +346,9 @@ async fn drive(
     });
 
     let next_op = Arc::new(AtomicU64::new(1));
+    let members = Endpoints::new(endpoints.clone());
     let workload = Workload {
-        endpoints: endpoints.clone(),
+        endpoints: members.clone(),
         credentials: credentials.clone(),
         recorder: recorder.clone(),
         next_op,
@@ -281,7 +372,7 @@ async fn drive(
     let workload_task = tokio::spawn(async move { workload.run(wcfg).await });
     let observing = Arc::new(AtomicBool::new(true));
     let observer = tokio::spawn(observe(
-        endpoints.clone(),
+        members.clone(),
         credentials.clone(),
         recorder.clone(),
         observing.clone(),
@@ -290,14 +381,20 @@ async fn drive(
     let mut rng = Rng::new(opts.seed);
     let plan = schedule(&opts.faults, &mut rng);
     let mut injector = Injector {
+        ever_used: cluster.replicas.keys().copied().collect(),
         cluster,
         partitioner,
-        replica_ips,
-        agent_ips,
+        replica_ips: placement.replica_ips,
+        agent_ips: placement.agent_ips,
         recorder: recorder.clone(),
         rng,
         timings: opts.timings.clone(),
         failovers_ms: Vec::new(),
+        endpoints: members.clone(),
+        spare_addrs: placement.spare_addrs,
+        retired: placement.retired,
+        replica_changes: 0,
+        builds: placement.builds,
     };
     // Faults spread over the first 90% of the run, after a short quiet start.
     let start = tokio::time::Instant::now();
@@ -352,7 +449,7 @@ async fn drive(
         .collect::<Vec<_>>()
     {
         if !injector.cluster.is_running(id) {
-            injector.cluster.start(id, StartMode::Initial)?;
+            injector.restart(id)?;
         }
     }
     let stats = workload_task.await??;
@@ -370,6 +467,9 @@ async fn drive(
     }
     injector.whole_again().await?;
 
+    // The final state comes from the members as they are now: a removed replica's data is
+    // not a member's.
+    let mut client = Client::new(&injector.cluster.endpoints(), &credentials)?;
     // The observer keeps recording while the cluster settles.
     settle_and_record_final(opts, &mut client, &recorder).await;
     observing.store(false, Ordering::Relaxed);
@@ -423,12 +523,14 @@ async fn drive(
 }
 
 /// (process, message) of every panic and fatal error in the replicas' and agents' logs.
-fn find_panics(cluster: &LocalCluster) -> Vec<(String, String)> {
+/// `retired`: (process, log) of replicas removed during the run.
+fn find_panics(cluster: &LocalCluster, retired: &[(String, PathBuf)]) -> Vec<(String, String)> {
     let mut logs: Vec<(String, PathBuf)> = cluster
         .replicas
         .values()
         .map(|r| (format!("replica {}", r.id), r.log_path.clone()))
         .collect();
+    logs.extend(retired.iter().cloned());
     logs.extend(
         cluster
             .agents
@@ -510,8 +612,9 @@ async fn drive_attached(
         agents: Vec::new(),
         tenants: tenant_limits(),
     });
+    let members = Endpoints::new(endpoints.clone());
     let workload = Workload {
-        endpoints: endpoints.clone(),
+        endpoints: members.clone(),
         credentials: credentials.clone(),
         recorder: recorder.clone(),
         next_op: Arc::new(AtomicU64::new(1)),
@@ -519,7 +622,7 @@ async fn drive_attached(
     };
     let observing = Arc::new(AtomicBool::new(true));
     let observer = tokio::spawn(observe(
-        endpoints.clone(),
+        members,
         credentials.clone(),
         recorder.clone(),
         observing.clone(),
@@ -597,20 +700,25 @@ async fn list_jobs(
         .map(|r| r.jobs)
 }
 
-/// Records the live jobs every 250 ms, from whichever replica answers (any replica's applied
-/// state is a prefix of the log, so every view must satisfy the invariants).
+/// Records the live jobs every 250 ms, from whichever current member answers (any member's
+/// applied state is a prefix of the log, so every view must satisfy the invariants; a removed
+/// replica is no member and is no longer asked).
 async fn observe(
-    endpoints: Vec<String>,
+    endpoints: Endpoints,
     credentials: control_plane::client::Credentials,
     recorder: Recorder,
     running: Arc<AtomicBool>,
 ) {
-    let Ok(mut client) = Client::new(&endpoints, &credentials) else {
+    let (mut seen, addrs) = endpoints.get();
+    let Ok(mut client) = Client::new(&addrs, &credentials) else {
         return;
     };
     client.attempt_timeout = Duration::from_millis(500);
     client.deadline = Duration::from_secs(2);
     while running.load(Ordering::Relaxed) {
+        if let Some(c) = endpoints.refreshed(&mut seen, &client, &credentials) {
+            client = c;
+        }
         if let Ok(jobs) = list_jobs(&mut client, false).await {
             recorder.record(&Event::Snapshot {
                 at_ms: now_ms(),

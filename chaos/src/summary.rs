@@ -32,6 +32,16 @@ pub struct Summary {
     /// was declared lost, or preempted): allowed, but worth seeing.
     pub jobs_rerun: usize,
     pub failover_ms: Vec<f64>,
+    /// `replica_add_remove`: AddReplica call to voter, and removal's answer to the removed
+    /// replica saying so (or exiting); the removals that took the leader out.
+    pub promotion_ms: Vec<f64>,
+    pub removed_stop_ms: Vec<f64>,
+    pub leader_removals: usize,
+    /// `replica_upgrade`: signal to caught up on the new build; "from -> to" of each; how
+    /// many needed SIGKILL.
+    pub upgrade_ms: Vec<f64>,
+    pub upgrades: Vec<String>,
+    pub upgrades_sigkilled: usize,
     pub violations: usize,
     pub by_invariant: Vec<(&'static str, usize)>,
     pub wall_s: f64,
@@ -73,6 +83,34 @@ pub fn summarize(events: &[Event], report: &Report) -> Summary {
             } => s
                 .failover_ms
                 .push(committed_ms.saturating_sub(*injected_ms) as f64),
+            Event::MemberChange {
+                promoted_after_ms,
+                stopped_after_ms,
+                removed_was_leader,
+                ..
+            } => {
+                s.promotion_ms.push(*promoted_after_ms as f64);
+                if let Some(t) = stopped_after_ms {
+                    s.removed_stop_ms.push(*t as f64);
+                }
+                s.leader_removals += usize::from(*removed_was_leader);
+            }
+            Event::Upgrade {
+                replica,
+                was_leader,
+                from,
+                to,
+                sigkilled,
+                caught_up_after_ms,
+                ..
+            } => {
+                s.upgrade_ms.push(*caught_up_after_ms as f64);
+                s.upgrades.push(format!(
+                    "replica {replica}{}: {from} -> {to}",
+                    if *was_leader { " (leader)" } else { "" }
+                ));
+                s.upgrades_sigkilled += usize::from(*sigkilled);
+            }
             Event::Usage { record, .. } => {
                 if matches!(record, node_agent::runtime::UsageRecord::Start { .. }) {
                     s.process_starts += 1;
@@ -109,7 +147,14 @@ pub fn summarize(events: &[Event], report: &Report) -> Summary {
             .filter(|j| starts.get(&j.id).copied().unwrap_or(0) as i64 > j.tasks.max(1))
             .count();
     }
-    s.failover_ms.sort_by(|a, b| a.total_cmp(b));
+    for v in [
+        &mut s.failover_ms,
+        &mut s.promotion_ms,
+        &mut s.removed_stop_ms,
+        &mut s.upgrade_ms,
+    ] {
+        v.sort_by(|a, b| a.total_cmp(b));
+    }
     s.violations = report.violations();
     s.by_invariant = report
         .invariants
@@ -151,6 +196,18 @@ impl Summary {
             "process_starts": self.process_starts,
             "jobs_rerun": self.jobs_rerun,
             "failover_ms": {"n": self.failover_ms.len(), "p50": num(p50), "p99": num(p99), "max": num(max)},
+            "replica_changes": {
+                "n": self.promotion_ms.len(),
+                "leader_removals": self.leader_removals,
+                "promotion_ms": self.promotion_ms,
+                "removed_stop_ms": self.removed_stop_ms,
+            },
+            "replica_upgrades": {
+                "n": self.upgrade_ms.len(),
+                "caught_up_ms": self.upgrade_ms,
+                "sigkilled": self.upgrades_sigkilled,
+                "steps": self.upgrades,
+            },
             "invariants": self.by_invariant.iter().map(|(n, v)| (n.to_string(), *v)).collect::<BTreeMap<_, _>>(),
             "violations": self.violations,
             "wall_s": self.wall_s,
@@ -183,6 +240,25 @@ impl Summary {
              failovers: p50 {p50:.0} ms, p99 {p99:.0} ms, max {max:.0} ms\n",
             self.failover_ms.len()
         ));
+        if !self.promotion_ms.is_empty() {
+            out.push_str(&format!(
+                "replica changes: {} ({} removed the leader); promotion to voter {:?} ms; \
+                 removed replica stopped after {:?} ms\n",
+                self.promotion_ms.len(),
+                self.leader_removals,
+                self.promotion_ms,
+                self.removed_stop_ms
+            ));
+        }
+        if !self.upgrade_ms.is_empty() {
+            out.push_str(&format!(
+                "replica upgrades: {} ({} needed SIGKILL); caught up after {:?} ms: {}\n",
+                self.upgrade_ms.len(),
+                self.upgrades_sigkilled,
+                self.upgrade_ms,
+                self.upgrades.join("; ")
+            ));
+        }
         out.push_str("invariants:\n");
         for i in &report.invariants {
             let verdict = if i.violations == 0 {

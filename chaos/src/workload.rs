@@ -124,7 +124,8 @@ pub fn job_spec(i: u64, rng: &mut Rng) -> pb::JobSpec {
 }
 
 pub struct Workload {
-    pub endpoints: Vec<String>,
+    /// The current members (they change with `replica_add_remove`).
+    pub endpoints: crate::members::Endpoints,
     /// How the workload's clients authenticate (the cluster's admin, or an attached
     /// cluster's credentials).
     pub credentials: control_plane::client::Credentials,
@@ -141,7 +142,10 @@ impl Workload {
         let interval = cfg.duration / cfg.jobs.max(1) as u32;
         let mut tasks = Vec::new();
         for c in 0..clients {
-            let mut client = Client::new(&self.endpoints, &self.credentials)?;
+            let (mut seen, addrs) = self.endpoints.get();
+            let mut client = Client::new(&addrs, &self.credentials)?;
+            let endpoints = self.endpoints.clone();
+            let credentials = self.credentials.clone();
             // Short attempts, so a client stuck on a dead or isolated replica moves on quickly;
             // the deadline is long enough to ride out any failover.
             client.attempt_timeout = Duration::from_millis(800);
@@ -157,6 +161,9 @@ impl Workload {
                 let mut i = c as u64;
                 while (i as usize) < cfg.jobs && !stop.load(Ordering::Relaxed) {
                     tokio::time::sleep_until(start + interval * i as u32).await;
+                    if let Some(c) = endpoints.refreshed(&mut seen, &client, &credentials) {
+                        client = c;
+                    }
                     let req = pb::SubmitJobRequest {
                         spec: Some(job_spec(i, &mut rng)),
                         idempotency_key: format!("chaos-{}-{i}", cfg.seed),

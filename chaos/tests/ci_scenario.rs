@@ -1,6 +1,7 @@
 //! The CI chaos scenario (issue 5): a real cluster of three replicas and three simulated GPU
 //! hosts, 200 jobs, at least 10 leader kills, a leader partition, an agent partition and two
-//! agent kills (plus a leader pause, a follower kill, a wiped replica and a rolling restart),
+//! agent kills (plus a leader pause, a follower kill, a wiped replica, a rolling restart, a
+//! replica added and another removed, and a replica upgraded to a fresh copy of its binary),
 //! checked for every invariant. Runs the `chaos` binary as a user would and reads the JSON
 //! summary on its last line.
 
@@ -41,6 +42,10 @@ fn ci_scenario_has_no_violations() {
             "1",
             "--rolling-restarts",
             "1",
+            "--replica-changes",
+            "1",
+            "--replica-upgrades",
+            "1",
             "--seed",
             "5",
             "--output",
@@ -66,6 +71,18 @@ fn ci_scenario_has_no_violations() {
         assert_eq!(faults["leader_partition"], 1, "{summary:#}");
         assert_eq!(faults["agent_partition"], 1, "{summary:#}");
     }
+    assert_eq!(faults["replica_add_remove"], 1, "{summary:#}");
+    assert_eq!(faults["replica_upgrade"], 1, "{summary:#}");
+    // The first membership change removes the leader (unless an election made the new replica
+    // the leader meanwhile: it is never the one removed); the removed replica said so.
+    let changes = &summary["replica_changes"];
+    assert_eq!(changes["n"], 1, "{summary:#}");
+    assert_eq!(
+        changes["removed_stop_ms"].as_array().map(Vec::len),
+        Some(1),
+        "{summary:#}"
+    );
+    assert_eq!(summary["replica_upgrades"]["n"], 1, "{summary:#}");
     assert_eq!(summary["jobs"], 200, "{summary:#}");
     assert!(
         summary["operations"]["submits_acknowledged"].as_u64() >= Some(200),

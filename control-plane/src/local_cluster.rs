@@ -84,6 +84,9 @@ pub struct LocalCluster {
     /// Program (and leading arguments) that runs a node agent (`gpuctl agent`, `node-agent`).
     pub agent_program: Option<(PathBuf, Vec<String>)>,
     pub agents: BTreeMap<String, AgentProcess>,
+    /// What agents are given as `--control-plane` instead of the replicas' addresses (e.g.
+    /// every address a replica may take during a run whose membership changes).
+    pub agent_endpoints: Option<Vec<String>>,
     /// Each process binds its outgoing connections to the IP address it listens on
     /// (`GPUCP_SOURCE_ADDRESS`), so that traffic between two processes on distinct loopback
     /// addresses can be told apart (and cut) by address. Off by default.
@@ -165,6 +168,7 @@ impl LocalCluster {
             initial_peers,
             agent_program: None,
             agents: BTreeMap::new(),
+            agent_endpoints: None,
             bind_source: false,
             secure: true,
             credentials: std::sync::OnceLock::new(),
@@ -294,7 +298,11 @@ impl LocalCluster {
             .and_then(|a| a.program.clone())
             .or_else(|| self.agent_program.clone())
             .context("no agent program configured for this cluster")?;
-        let endpoints = self.endpoints().join(",");
+        let endpoints = self
+            .agent_endpoints
+            .clone()
+            .unwrap_or_else(|| self.endpoints())
+            .join(",");
         // The node name is the agent's key unless its extra args name it otherwise; its
         // certificate names the same node.
         let node_name = {
@@ -405,6 +413,26 @@ impl LocalCluster {
             },
         );
         id
+    }
+
+    /// Describes replica `id` listening on `addr` (not started, not one of the initial peers),
+    /// for callers that choose ids themselves (never reusing a removed replica's id).
+    pub fn add_replica_at(&mut self, id: u64, addr: &str) -> anyhow::Result<()> {
+        if self.replicas.contains_key(&id) {
+            bail!("replica {id} is already described");
+        }
+        self.replicas.insert(
+            id,
+            ReplicaProcess {
+                id,
+                addr: addr.to_owned(),
+                data_dir: self.root.join(format!("replica-{id}")),
+                log_path: self.root.join(format!("replica-{id}.log")),
+                program: None,
+                child: None,
+            },
+        );
+        Ok(())
     }
 
     pub fn endpoints(&self) -> Vec<String> {

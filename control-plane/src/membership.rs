@@ -366,7 +366,7 @@ async fn wait_caught_up(
         let contact = r.peers.contact(id);
         let reachable = r.peers.reachable(id);
         answered |= contact.last_ok.is_some();
-        refuse_unreadable_binary(r, id, address)?;
+        refuse_unreadable_binary(r, id, address, contact.last_error.as_deref())?;
         let last = m.last_log_index.unwrap_or(0);
         let matched = m
             .replication
@@ -431,8 +431,23 @@ async fn wait_caught_up(
 
 /// A new replica whose binary cannot read the format the cluster writes would refuse every
 /// entry it is sent and never catch up: say so at once, instead of after the catch-up timeout.
-fn refuse_unreadable_binary(r: &Replica, id: NodeId, address: &str) -> Result<(), ApiError> {
+fn refuse_unreadable_binary(
+    r: &Replica,
+    id: NodeId,
+    address: &str,
+    last_error: Option<&str>,
+) -> Result<(), ApiError> {
     let writes = r.sm.cluster_version();
+    // Releases before 0.2 say nothing about their binary; they only fail to decode what
+    // they are sent. Later ones refuse a newer format by name.
+    if let Some(e) = last_error
+        && (e.contains("undecodable Raft payload") || e.contains("but this binary (release"))
+    {
+        return Err(ApiError::Rejected(Rejection::precondition(format!(
+            "replica {id} at {address} cannot read the log: this cluster writes format {writes}              (its cluster version), and the replica answered: {e}. It runs an older release;              it was not added and the membership is unchanged. Start it on this release's              binary ({}) and add it again",
+            crate::state::format::RELEASE
+        ))));
+    }
     match r.peers.binary(id) {
         Some(b) if b.format_max < writes => {
             Err(ApiError::Rejected(Rejection::precondition(format!(

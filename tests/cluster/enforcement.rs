@@ -65,10 +65,12 @@ async fn a_job_opens_only_its_own_gpus_device_node_even_without_cuda_visible_dev
         .await
         .unwrap()
         .id;
-    wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+    let done = wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
         j.state == "succeeded"
     })
     .await;
+    let usage = done.usage.expect("usage measured by the job's cgroup");
+    assert!(usage.cpu_ms > 0 || usage.peak_memory_bytes > 0, "{usage:?}");
     let out = stdout_of(&mut client, id).await;
     let mine_uuid = out
         .lines()
@@ -184,6 +186,22 @@ async fn a_job_past_its_memory_limit_is_reported_out_of_memory() {
     let reason = &done.history.last().unwrap().reason;
     assert!(reason.contains("out of memory"), "{done:#?}");
     assert!(reason.contains("32 MiB"), "{reason}");
+    let usage = done
+        .usage
+        .expect("the cgroup's accounting, reported with the exit");
+    assert_eq!(usage.oom_kills, 1, "{usage:?}");
+    assert!(usage.peak_memory_bytes <= 32 << 20, "{usage:?}");
     let (ok, out, _) = gpuctl(&c, &["show", &id.to_string()]);
     assert!(ok && out.contains("out of memory"), "{out}");
+    assert!(out.contains("1 OOM kill(s)"), "{out}");
+
+    step("accounting sums it for the tenant");
+    let (ok, out, err) = gpuctl(&c, &["-o", "json", "accounting"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let t = &v["tenants"][0];
+    assert_eq!(t["tenant"], "team-a", "{v}");
+    assert_eq!(t["oom_kills"], 1, "{v}");
+    assert_eq!(t["by_state"]["failed"], 1, "{v}");
+    assert_eq!(t["jobs_measured"], 1, "{v}");
 }

@@ -122,7 +122,7 @@ async fn a_rolling_upgrade_from_the_previous_release_loses_and_restarts_nothing(
     // The next upgrade's leader step, on this release; not part of this upgrade's time.
     let new_leader_exit = u.restart_the_new_leader_with_sigterm().await;
     // The next upgrade's agent step, on this release: in place, under load, long jobs kept.
-    u.restart_agents_in_place(long.len()).await;
+    u.restart_agents_in_place().await;
     u.mark("upgrade done; stopping the load");
     let report = load.stop().await;
 
@@ -865,9 +865,9 @@ impl Upgrade {
     }
 
     /// `gpuctl node restart-agent --all`: every (new) agent restarts in place, two at a time,
-    /// and each reports as many workloads after as before; the long jobs' shims and
+    /// under the load (so the workload counts move with short jobs); the long jobs' shims and
     /// allocations are checked unchanged at the end.
-    async fn restart_agents_in_place(&mut self, long_jobs: usize) {
+    async fn restart_agents_in_place(&mut self) {
         self.mark("restart every agent in place, 2 at a time");
         let (ok, out, err) = util::gpuctl(
             &self.c,
@@ -876,10 +876,6 @@ impl Upgrade {
         assert!(ok, "gpuctl node restart-agent failed:\n{out}{err}");
         let restarted = format!("restarted {n} of {n} agents", n = AGENTS.len());
         assert!(out.contains(&restarted), "{out}");
-        assert!(
-            out.contains(&format!("workloads {long_jobs} before, {long_jobs} after")),
-            "{out}"
-        );
         println!("{out}");
     }
 

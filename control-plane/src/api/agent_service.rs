@@ -20,7 +20,7 @@ use crate::leader::{LeaderConfig, Liveness};
 use crate::replica::{ApiError, Replica};
 use crate::state::{
     ClusterState, Command, Gpu, GpuHealth, MigSlice, NodeSpec, NodeStatus, Outcome, Rejection,
-    TaskOutcome,
+    TaskOutcome, TaskUsage,
 };
 
 /// How much shorter than the node grace an agent's fence grace must be.
@@ -133,8 +133,9 @@ pub fn allocation_node_refusal(
     })
 }
 
-/// The command an allocation report asks for.
-pub fn report_command(req: pa::AllocationReport) -> Result<Command, Rejection> {
+/// The command an allocation report asks for. `with_usage`: the cluster version records
+/// usage (format 2); otherwise the entry keeps format 1's shape.
+pub fn report_command(req: pa::AllocationReport, with_usage: bool) -> Result<Command, Rejection> {
     use pa::allocation_report::Event;
     let allocation = req.allocation_id;
     let outcome = match Event::try_from(req.event) {
@@ -155,9 +156,15 @@ pub fn report_command(req: pa::AllocationReport) -> Result<Command, Rejection> {
             ));
         }
     };
+    let usage = req.usage.filter(|_| with_usage).map(|u| TaskUsage {
+        cpu_ms: u.cpu_ms,
+        peak_memory_bytes: u.peak_memory_bytes,
+        oom_kills: u.oom_kills,
+    });
     Ok(Command::AllocationExited {
         allocation,
         outcome,
+        usage,
     })
 }
 
@@ -400,7 +407,8 @@ impl AgentApi for AgentService {
                         return Err(refusal.into());
                     }
                 }
-                let command = report_command(req)?;
+                let with_usage = r.sm.cluster_version() >= 2;
+                let command = report_command(req, with_usage)?;
                 match r.write(command.by(caller.actor())).await? {
                     Outcome::Done
                     | Outcome::Rejected(Rejection {

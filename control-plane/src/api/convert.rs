@@ -123,6 +123,7 @@ pub fn allocation_to_proto(a: &state::Allocation) -> pb::Allocation {
         created_at_ms: a.created_at,
         gpu_milli: a.gpu_milli,
         gpu_memory_mib: a.gpu_memory_mib,
+        enforcement: String::new(),
     }
 }
 
@@ -144,10 +145,23 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             .collect(),
         allocations: cluster
             .allocations_of(job.id)
-            .map(|r| allocation_to_proto(&r.allocation))
+            .map(|r| pb::Allocation {
+                enforcement: cluster
+                    .nodes
+                    .get(&r.allocation.node)
+                    .map(|n| n.spec.enforcement.clone())
+                    .unwrap_or_default(),
+                ..allocation_to_proto(&r.allocation)
+            })
             .collect(),
         version: job.version,
         redacted: false,
+        usage: job.usage.map(|u| pb::JobUsage {
+            cpu_ms: u.cpu_ms,
+            peak_memory_bytes: u.peak_memory_bytes,
+            oom_kills: u.oom_kills,
+            tasks_measured: u.tasks_measured,
+        }),
     }
 }
 
@@ -195,6 +209,7 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
         allocations: Vec::new(),
         version: 0,
         redacted: false,
+        usage: None,
     }
 }
 

@@ -552,6 +552,7 @@ fn build(
                 Command::AllocationExited {
                     allocation,
                     outcome,
+                    usage: None,
                 },
             )?;
             if compaction && exit_at >= last_compaction_check + MINUTE_MS {

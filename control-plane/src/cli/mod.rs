@@ -3,6 +3,7 @@
 //! Each subcommand is a small function: build the request, call any replica through
 //! `Client`, print the answer.
 
+pub mod accounting;
 pub mod agent_rollout;
 mod backup;
 mod bench;
@@ -149,6 +150,10 @@ pub enum Command {
     },
     /// Who changed what, from where: the audit trail.
     Audit(tokens::AuditArgs),
+    /// What each tenant's jobs used: jobs by state, GPU-hours, and from enforcing nodes'
+    /// cgroups CPU-hours, memory peaks and OOM kills.
+    #[command(alias = "sacct", alias = "sreport")]
+    Accounting(accounting::AccountingArgs),
     /// Who the control plane takes you for (principal, role, tenant).
     Whoami,
     /// Create the cluster CA and certificates for replicas, nodes and clients (offline).
@@ -431,6 +436,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Node { command } => node::run(&mut client, command, fmt).await?,
         Command::Logs { job, tail } => node::logs(&mut client, job, tail).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
+        Command::Accounting(args) => accounting::run(&mut client, args, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,
         Command::Token { command } => tokens::run(&mut client, command, fmt).await?,
         Command::Audit(args) => tokens::audit(&mut client, args, fmt).await?,

@@ -119,7 +119,12 @@ pub fn job_json(j: &pb::Job) -> Value {
         "history": j.history.iter().map(|h| json!({"at_ms": h.at_ms, "state": h.state, "reason": h.reason})).collect::<Vec<_>>(),
         "allocations": j.allocations.iter().map(|a| json!({
             "id": a.id, "node": a.node, "gpus": a.gpus, "term": a.term, "epoch": a.epoch, "created_at_ms": a.created_at_ms,
+            "enforcement": a.enforcement,
         })).collect::<Vec<_>>(),
+        "usage": j.usage.as_ref().map(|u| json!({
+            "cpu_ms": u.cpu_ms, "peak_memory_bytes": u.peak_memory_bytes,
+            "oom_kills": u.oom_kills, "tasks_measured": u.tasks_measured,
+        })),
     })
 }
 
@@ -244,6 +249,17 @@ pub fn job_details(j: &pb::Job) -> String {
                 a.term
             ),
         );
+        kv(
+            "Enforced:",
+            if a.enforcement.is_empty() {
+                "not reported by the node's agent".into()
+            } else {
+                printable(&a.enforcement)
+            },
+        );
+    }
+    if let Some(u) = &j.usage {
+        kv("Usage:", usage_text(u));
     }
     out.push_str("History:\n");
     for h in &j.history {
@@ -255,6 +271,20 @@ pub fn job_details(j: &pb::Job) -> String {
         ));
     }
     out
+}
+
+/// "CPU 12.3 s, peak memory 512 MiB (2 tasks measured), 1 OOM kill".
+pub fn usage_text(u: &pb::JobUsage) -> String {
+    let mut text = format!(
+        "CPU {:.1} s, peak memory {} MiB ({} task(s) measured)",
+        u.cpu_ms as f64 / 1000.0,
+        u.peak_memory_bytes / (1 << 20),
+        u.tasks_measured
+    );
+    if u.oom_kills > 0 {
+        text.push_str(&format!(", {} OOM kill(s)", u.oom_kills));
+    }
+    text
 }
 
 pub fn node_json(n: &pb::Node) -> Value {

@@ -203,6 +203,7 @@ impl Agent {
             ),
             signal: 0,
             reason: String::new(),
+            usage: None,
         }
     }
 

@@ -303,6 +303,7 @@ impl Gen {
             op::EXITED => Command::AllocationExited {
                 allocation: self.allocation(r),
                 outcome: outcome(r),
+                usage: None,
             },
             op::TENANT => Command::PutTenant {
                 tenant: Tenant {

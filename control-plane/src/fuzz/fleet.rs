@@ -245,6 +245,7 @@ fn build() -> Fleet {
             &Command::AllocationExited {
                 allocation: a,
                 outcome: TaskOutcome::Succeeded,
+                usage: None,
             },
             1000,
         );

@@ -155,6 +155,7 @@ fn seeds() -> Vec<Vec<u8>> {
                 has_exit_code: event == 3,
                 signal: if event == 3 { 9 } else { 0 },
                 reason: "seed".into(),
+                usage: None,
             };
             out.push(tagged(REPORT, &req));
         }
@@ -323,7 +324,7 @@ fn report(body: &[u8], features: &mut Features) -> Result<(), String> {
         return Ok(());
     }
     let node = req.node.clone();
-    let command = match report_command(req) {
+    let command = match report_command(req, true) {
         Ok(command) => command,
         Err(r) => return rejected(features, "report_command", &r),
     };

@@ -159,6 +159,7 @@ impl Sim {
             Command::AllocationExited {
                 allocation,
                 outcome,
+                usage: None,
             },
             at,
         );

@@ -323,6 +323,7 @@ fn dependencies_hold_a_job_until_they_are_met() {
     w.apply(Command::AllocationExited {
         allocation: alloc,
         outcome: TaskOutcome::Succeeded,
+        usage: None,
     });
     let p = w.schedule();
     assert_eq!(p.iter().map(|x| x.job).collect::<Vec<_>>(), vec![after_ok]);
@@ -438,6 +439,7 @@ impl World {
             self.apply(Command::AllocationExited {
                 allocation,
                 outcome: outcome.clone(),
+                usage: None,
             });
         }
     }

@@ -229,6 +229,7 @@ impl Sim<'_> {
                     let o = self.apply(&Command::AllocationExited {
                         allocation,
                         outcome: outcome.clone(),
+                        usage: None,
                     });
                     anyhow::ensure!(o == Outcome::Done, "exit of allocation {allocation}: {o:?}");
                 }

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use super::command::{Command, JobPlacement, Outcome, Rejection, TaskOutcome};
+use super::command::{Command, JobPlacement, Outcome, Rejection, TaskOutcome, TaskUsage};
 use super::format;
 use super::types::*;
 use super::validate;
@@ -65,7 +65,12 @@ impl ClusterState {
             Command::AllocationExited {
                 allocation,
                 outcome,
-            } => self.allocation_exited(*allocation, outcome, at, index, changed),
+                usage,
+            } => {
+                // Format 1 has no usage; a format-1 replica would not keep it.
+                let usage = usage.filter(|_| self.cluster_version.allows(2));
+                self.allocation_exited(*allocation, outcome, usage, at, index, changed)
+            }
             Command::PutTenant { tenant } => match validate::validate_tenant(tenant) {
                 Ok(()) => {
                     self.tenants.insert(tenant.name.clone(), tenant.clone());
@@ -333,6 +338,7 @@ impl ClusterState {
             version: index,
             ending: None,
             yielded_to: None,
+            usage: None,
         };
         self.jobs.insert(id, job);
         self.index.pending.insert(id);
@@ -843,6 +849,7 @@ impl ClusterState {
         &mut self,
         id: AllocationId,
         outcome: &TaskOutcome,
+        usage: Option<TaskUsage>,
         at: Timestamp,
         index: u64,
         changed: &mut Vec<JobId>,
@@ -877,6 +884,9 @@ impl ClusterState {
         };
         job.allocations.retain(|a| *a != id);
         job.version = index;
+        if let Some(u) = &usage {
+            job.usage.get_or_insert_with(JobUsage::default).add(u);
+        }
         let remaining = job.allocations.len();
         if job.state.is_final() {
             // Cancelled (or otherwise ended) earlier; this exit only frees the GPUs.
@@ -1017,7 +1027,7 @@ impl ClusterState {
             self.allocations_on(node).map(|r| r.allocation.id).collect();
         let outcome = TaskOutcome::Lost { reason };
         for id in on_node {
-            self.allocation_exited(id, &outcome, at, index, changed);
+            self.allocation_exited(id, &outcome, None, at, index, changed);
         }
     }
 

@@ -261,6 +261,7 @@ impl Harness {
         let applied = self.apply(Command::AllocationExited {
             allocation,
             outcome,
+            usage: None,
         });
         assert_eq!(applied.outcome, Outcome::Done);
         applied
@@ -1133,12 +1134,14 @@ fn allocation_exited_rejects_an_unknown_or_already_exited_allocation() {
     let r = h.reject(Command::AllocationExited {
         allocation: 99,
         outcome: TaskOutcome::Succeeded,
+        usage: None,
     });
     assert_eq!(r.kind, RejectKind::NotFound);
     h.exit(allocs[0], TaskOutcome::Succeeded);
     let r = h.reject(Command::AllocationExited {
         allocation: allocs[0],
         outcome: failed(1),
+        usage: None,
     });
     assert_eq!(r.kind, RejectKind::NotFound);
 }
@@ -1303,6 +1306,7 @@ fn every_rejected_command_leaves_the_state_unchanged() {
         Command::AllocationExited {
             allocation: 1000,
             outcome: TaskOutcome::Succeeded,
+            usage: None,
         },
         Command::RegisterNode {
             spec: node("b1", 1, "A100").extra_gpu(&uuid("h1", 0)).spec(),

@@ -67,6 +67,14 @@ pub enum TaskOutcome {
     Stopped,
 }
 
+/// What one task's cgroup measured, reported with its exit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskUsage {
+    pub cpu_ms: u64,
+    pub peak_memory_bytes: u64,
+    pub oom_kills: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
     SubmitJob {
@@ -91,6 +99,10 @@ pub enum Command {
     AllocationExited {
         allocation: AllocationId,
         outcome: TaskOutcome,
+        /// What the task's cgroup measured. Format 2 (left out below, and not recorded
+        /// while the cluster version is 1).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<TaskUsage>,
     },
     PutTenant {
         tenant: Tenant,
@@ -301,6 +313,7 @@ impl fmt::Display for Command {
             Command::AllocationExited {
                 allocation,
                 outcome,
+                ..
             } => write!(f, "exited alloc={allocation} outcome={outcome:?}"),
             Command::PutTenant { tenant } => write!(f, "put tenant={}", tenant.name),
             Command::SetNodeStatus {

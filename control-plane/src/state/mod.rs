@@ -28,6 +28,7 @@ pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use audit::{Actor, AuditRecord, AuditRetention};
 pub use command::{
     Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
+    TaskUsage,
 };
 pub use cow_map::CowMap;
 pub use retention::spec_fingerprint;

@@ -372,6 +372,7 @@ impl Driver {
                         reason: "GPU fell off the bus".into(),
                     },
                 },
+                usage: None,
             },
             Op::Register { node, variant, gpu } => Command::RegisterNode {
                 spec: node_variant(*node, *variant, *gpu),

@@ -282,6 +282,28 @@ pub struct Job {
     /// made is not taken back by itself before the preemptor can use it (a preemption loop).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub yielded_to: Option<JobId>,
+    /// What its tasks used, over every task and attempt whose end was measured (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<JobUsage>,
+}
+
+/// A job's resource use, summed from its tasks' exits (Slurm's `sacct` TotalCPU, MaxRSS).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobUsage {
+    pub cpu_ms: u64,
+    /// The largest peak of any one task.
+    pub peak_memory_bytes: u64,
+    pub oom_kills: u64,
+    pub tasks_measured: u64,
+}
+
+impl JobUsage {
+    pub fn add(&mut self, task: &crate::state::command::TaskUsage) {
+        self.cpu_ms = self.cpu_ms.saturating_add(task.cpu_ms);
+        self.peak_memory_bytes = self.peak_memory_bytes.max(task.peak_memory_bytes);
+        self.oom_kills = self.oom_kills.saturating_add(task.oom_kills);
+        self.tasks_measured += 1;
+    }
 }
 
 /// Longest a preempted job stands aside for the job it was stopped for (a preemptor that can

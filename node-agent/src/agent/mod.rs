@@ -149,6 +149,8 @@ struct AllocationReport {
     reason: String,
     /// An exit: forget the allocation once acknowledged.
     exit: bool,
+    /// What the allocation's cgroup measured (exits on an enforcing node).
+    usage: Option<crate::cgroup::Usage>,
 }
 
 /// Why the agent stopped an allocation, so its exit is reported with the right meaning.
@@ -461,11 +463,13 @@ impl Agent {
                         signal: 0,
                         reason: String::new(),
                         exit: false,
+                        usage: None,
                     }));
                 }
                 RuntimeEvent::Exited {
                     allocation_id,
                     kind,
+                    usage,
                     ..
                 } => {
                     let cause = {
@@ -473,7 +477,8 @@ impl Agent {
                         st.finished.insert(allocation_id);
                         st.stopping.remove(&allocation_id)
                     };
-                    let report = exit_report(allocation_id, &kind, cause);
+                    let mut report = exit_report(allocation_id, &kind, cause);
+                    report.usage = usage;
                     tracing::info!(allocation = allocation_id, ?kind, event = ?report.event, "exited");
                     self.queue_report(Report::Allocation(report));
                 }
@@ -657,6 +662,7 @@ impl AllocationReport {
             signal: 0,
             reason: reason.to_owned(),
             exit: true,
+            usage: None,
         }
     }
 }
@@ -670,6 +676,7 @@ fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) ->
         signal: 0,
         reason: String::new(),
         exit: true,
+        usage: None,
     };
     match (kind, cause) {
         (ExitKind::Exited { code: 0 }, None) => r.event = Event::Succeeded,
@@ -1047,6 +1054,11 @@ async fn send_report(
                 has_exit_code: r.exit_code.is_some(),
                 signal: r.signal,
                 reason: r.reason.clone(),
+                usage: r.usage.map(|u| pa::ResourceUsage {
+                    cpu_ms: u.cpu_ns / 1_000_000,
+                    peak_memory_bytes: u.peak_memory_bytes,
+                    oom_kills: u.oom_kills,
+                }),
             };
             control
                 .call(CALL_TIMEOUT, |mut c| {
@@ -1179,6 +1191,7 @@ mod tests {
                 signal: 0,
                 reason: String::new(),
                 exit: false,
+                usage: None,
             })
         };
         let exited = |id| {

@@ -156,6 +156,7 @@ fn an_agent_cannot_act_for_another_nodes_allocation_even_if_the_api_let_it_throu
         Command::AllocationExited {
             allocation: allocs[0],
             outcome: failed(1),
+            usage: None,
         },
         Command::AllocationStarted {
             allocation: allocs[0],
@@ -181,6 +182,7 @@ fn an_agent_cannot_act_for_another_nodes_allocation_even_if_the_api_let_it_throu
         Command::AllocationExited {
             allocation: own[0],
             outcome: TaskOutcome::Succeeded,
+            usage: None,
         }
         .by(thief),
     );

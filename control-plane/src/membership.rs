@@ -444,14 +444,14 @@ fn refuse_unreadable_binary(
         && (e.contains("undecodable Raft payload") || e.contains("but this binary (release"))
     {
         return Err(ApiError::Rejected(Rejection::precondition(format!(
-            "replica {id} at {address} cannot read the log: this cluster writes format {writes}              (its cluster version), and the replica answered: {e}. It runs an older release;              it was not added and the membership is unchanged. Start it on this release's              binary ({}) and add it again",
+            "replica {id} at {address} cannot read the log: this cluster writes format {writes} (its cluster version), and the replica answered: {e}. It runs an older release; it was not added and the membership is unchanged. Start it on this release's binary ({}) and add it again",
             crate::state::format::RELEASE
         ))));
     }
     match r.peers.binary(id) {
         Some(b) if b.format_max < writes => {
             Err(ApiError::Rejected(Rejection::precondition(format!(
-                "replica {id} at {address} runs release {} (reads formats up to {}), but this                  cluster writes format {writes} (its cluster version): it cannot read the log.                  It was not added and the membership is unchanged; start it on this release's                  binary ({}) and add it again",
+                "replica {id} at {address} runs release {} (reads formats up to {}), but this cluster writes format {writes} (its cluster version): it cannot read the log. It was not added and the membership is unchanged; start it on this release's binary ({}) and add it again",
                 b.release_text(),
                 b.format_max,
                 crate::state::format::RELEASE

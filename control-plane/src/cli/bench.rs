@@ -169,6 +169,10 @@ pub enum BenchCommand {
         /// Run our side only (Slurm is neither installed nor started).
         #[arg(long)]
         skip_slurm: bool,
+        /// Also run our side with the agents' cgroups off, and report what enforcement
+        /// costs each job.
+        #[arg(long)]
+        without_cgroups_too: bool,
     },
     /// Agent rollout: every agent of a fleet of real agent processes (simulated GPUs, real
     /// jobs) restarted in place onto a newly installed binary, --max-unavailable at a time,
@@ -213,6 +217,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         gpus_per_host,
         jobs,
         skip_slurm,
+        without_cgroups_too,
     } = command
     {
         let args = super::bench_e2e::Args {
@@ -220,6 +225,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             gpus_per_host,
             jobs,
             skip_slurm,
+            without_cgroups_too,
         };
         return super::bench_e2e::run(args, keep_data, fmt);
     }

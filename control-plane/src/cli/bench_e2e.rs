@@ -30,6 +30,8 @@ pub struct Args {
     pub gpus_per_host: usize,
     pub jobs: usize,
     pub skip_slurm: bool,
+    /// Also run ours with the agents' cgroups off, to measure what enforcement costs a job.
+    pub without_cgroups_too: bool,
 }
 
 /// Tenant of the benchmark's jobs (no limit is set for it).
@@ -45,6 +47,8 @@ pub struct SideResult {
     pub succeeded: usize,
     /// Jobs that ended otherwise (failed, cancelled, ...), with their final state.
     pub other: Vec<(String, String)>,
+    /// What the agents enforced, as the first node registered it (ours only).
+    pub enforcement: String,
 }
 
 impl SideResult {
@@ -84,14 +88,29 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
     let data_dir = keep_data
         .clone()
         .unwrap_or_else(|| ours_dir.path().to_owned());
-    let ours = run_ours(&args, preset, data_dir)
+    let ours = run_ours(&args, preset, data_dir.clone(), true)
         .context("the gpu-control-plane side of the benchmark failed")?;
     eprintln!(
-        "gpu-control-plane: {} jobs in {:.2} s ({:.0} jobs/s)",
+        "gpu-control-plane: {} jobs in {:.2} s ({:.0} jobs/s); {}",
         ours.succeeded,
         ours.seconds,
-        ours.jobs_per_sec()
+        ours.jobs_per_sec(),
+        ours.enforcement
     );
+    let unenforced = if args.without_cgroups_too {
+        eprintln!("gpu-control-plane with --cgroups off: same shape...");
+        let r = run_ours(&args, preset, data_dir.join("without-cgroups"), false)
+            .context("the gpu-control-plane side without cgroups failed")?;
+        eprintln!(
+            "gpu-control-plane without cgroups: {} jobs in {:.2} s ({:.0} jobs/s)",
+            r.succeeded,
+            r.seconds,
+            r.jobs_per_sec()
+        );
+        Some(r)
+    } else {
+        None
+    };
     let slurm = if args.skip_slurm {
         None
     } else {
@@ -112,7 +131,7 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
         Some(r)
     };
     drop(ours_dir);
-    let (text, json) = report(&args, &ours, slurm.as_ref());
+    let (text, json) = report(&args, &ours, unenforced.as_ref(), slurm.as_ref());
     match fmt {
         Format::Json => println!("{json}"),
         Format::Table => print!("{text}"),
@@ -120,6 +139,7 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
     // The smoke run in CI relies on this: every job of each side must have succeeded.
     for (side, r) in [
         ("gpu-control-plane", Some(&ours)),
+        ("gpu-control-plane without cgroups", unenforced.as_ref()),
         ("Slurm", slurm.as_ref()),
     ] {
         if let Some(r) = r
@@ -139,14 +159,28 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
 fn report(
     args: &Args,
     ours: &SideResult,
+    unenforced: Option<&SideResult>,
     slurm: Option<&SideResult>,
 ) -> (String, serde_json::Value) {
     let mut rows = vec![vec![
-        "gpu-control-plane".to_owned(),
+        format!("gpu-control-plane ({})", ours.enforcement),
         ours.succeeded.to_string(),
         format!("{:.2}", ours.seconds),
         format!("{:.1}", ours.jobs_per_sec()),
     ]];
+    if let Some(u) = unenforced {
+        rows.push(vec![
+            "gpu-control-plane (--cgroups off)".to_owned(),
+            u.succeeded.to_string(),
+            format!("{:.2}", u.seconds),
+            format!("{:.1}", u.jobs_per_sec()),
+        ]);
+    }
+    // Each GPU runs its jobs one after another, so the extra wall time per job on one GPU is
+    // the difference in run time times the GPUs, over the jobs.
+    let gpus = (args.hosts * args.gpus_per_host) as f64;
+    let cgroup_cost_ms =
+        unenforced.map(|u| (ours.seconds - u.seconds) * gpus / args.jobs as f64 * 1000.0);
     if let Some(s) = slurm {
         rows.push(vec![
             "slurm (tuned)".to_owned(),
@@ -167,6 +201,11 @@ fn report(
     if let Some(r) = ratio {
         text.push_str(&format!("ratio (ours / Slurm's jobs/s): {r:.1}x\n"));
     }
+    if let Some(c) = cgroup_cost_ms {
+        text.push_str(&format!(
+            "enforcement cost per job (cgroup created, joined, emptied, read, removed): {c:.1} ms of GPU time\n"
+        ));
+    }
     let json = json!({
         "benchmark": "e2e",
         "hosts": args.hosts,
@@ -175,6 +214,10 @@ fn report(
         "gpucp_seconds": ours.seconds,
         "gpucp_completed": ours.succeeded,
         "gpucp_jobs_per_sec": ours.jobs_per_sec(),
+        "gpucp_enforcement": ours.enforcement,
+        "gpucp_without_cgroups_seconds": unenforced.map(|u| u.seconds),
+        "gpucp_without_cgroups_jobs_per_sec": unenforced.map(|u| u.jobs_per_sec()),
+        "enforcement_cost_ms_per_job": cgroup_cost_ms,
         "slurm_seconds": slurm.map(|s| s.seconds),
         "slurm_completed": slurm.map(|s| s.succeeded),
         "slurm_jobs_per_sec": slurm.map(|s| s.jobs_per_sec()),
@@ -185,14 +228,24 @@ fn report(
     (text, json)
 }
 
-fn run_ours(args: &Args, preset: &str, dir: PathBuf) -> anyhow::Result<SideResult> {
+fn run_ours(args: &Args, preset: &str, dir: PathBuf, cgroups: bool) -> anyhow::Result<SideResult> {
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports = free_ports(3 + args.hosts)?;
     let mut cluster = LocalCluster::new(&exe, &["replica"], &dir, "bench-e2e", &ports[..3]);
     cluster.agent_program = Some((exe.clone(), vec!["agent".into()]));
     let names: Vec<String> = (1..=args.hosts).map(|i| format!("host-{i}")).collect();
     for (name, port) in names.iter().zip(&ports[3..]) {
-        cluster.add_agent(name, preset, *port, &["--stop-grace-secs", "10"]);
+        cluster.add_agent(
+            name,
+            preset,
+            *port,
+            &[
+                "--stop-grace-secs",
+                "10",
+                "--cgroups",
+                if cgroups { "auto" } else { "off" },
+            ],
+        );
     }
     cluster.start_all()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -258,7 +311,20 @@ fn run_ours(args: &Args, preset: &str, dir: PathBuf) -> anyhow::Result<SideResul
             .await
             .with_context(|| format!("see the replica and agent logs in {}", dir.display()))?;
         let seconds = t0.elapsed().as_secs_f64();
-        Ok(watch.result(seconds))
+        let enforcement = client
+            .call(|mut c, t| async move {
+                c.list_nodes(with_timeout(pb::ListNodesRequest::default(), t))
+                    .await
+            })
+            .await?
+            .nodes
+            .first()
+            .map(|n| n.enforcement.clone())
+            .unwrap_or_default();
+        Ok(SideResult {
+            enforcement,
+            ..watch.result(seconds)
+        })
     })
 }
 
@@ -414,6 +480,7 @@ impl JobWatch {
             seconds,
             succeeded,
             other,
+            enforcement: String::new(),
         }
     }
 }

@@ -100,6 +100,7 @@ pub fn run(shape: &Shape) -> anyhow::Result<SideResult> {
             seconds: t0.elapsed().as_secs_f64(),
             succeeded,
             other,
+            enforcement: String::new(),
         })
     })();
     let result = result.map_err(|e: anyhow::Error| {

@@ -210,7 +210,8 @@ pub enum RuntimeError {
     #[error("allocation {0} is not known to this host's runtime")]
     Unknown(u64),
     #[error(
-        "cannot create allocation {allocation}'s cgroup: {source}; the allocation was not          started (it never runs unconfined on a node that enforces)"
+        "cannot create allocation {allocation}'s cgroup: {source}; the allocation was not \
+         started (it never runs unconfined on a node that enforces)"
     )]
     Cgroup {
         allocation: u64,

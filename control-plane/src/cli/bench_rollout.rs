@@ -105,8 +105,7 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
                 )
             })?;
         }
-        let stop_file = dir.join("stop-long-jobs");
-        let long = start_long_jobs(&mut client, &hosts, args.jobs_per_host, &stop_file).await?;
+        let long = start_long_jobs(&mut client, &hosts, args.jobs_per_host).await?;
         let before = long_job_runs(&mut client, &long).await?;
         let pids: BTreeMap<String, u32> = hosts
             .iter()
@@ -143,7 +142,7 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
             .iter()
             .filter(|(_, pid)| !runs_file(**pid, &agent_program))
             .count();
-        std::fs::write(&stop_file, "")?;
+        cancel_all(&mut client, &long).await;
         anyhow::Ok(Figures {
             report,
             long_jobs: long.len(),
@@ -240,14 +239,31 @@ async fn submit(client: &mut Client, req: pb::SubmitJobRequest) -> Result<u64, t
         .map(|r| r.id)
 }
 
-/// `per_host` jobs on every host that run until `stop_file` exists; waits until all run.
+/// Cancels the long jobs (their agents stop them) so none outlives the benchmark.
+async fn cancel_all(client: &mut Client, ids: &[u64]) {
+    for id in ids {
+        let req = pb::CancelJobRequest {
+            id: *id,
+            reason: "bench rollout done".into(),
+        };
+        let _ = client
+            .call(|mut c, t| {
+                let r = req.clone();
+                async move { c.cancel_job(with_timeout(r, t)).await }
+            })
+            .await;
+    }
+}
+
+/// `per_host` jobs on every host, each one sleeping process (128 polling loops would spend
+/// the 2-core benchmark host on process spawns, starving the replicas measured); waits
+/// until all run.
 async fn start_long_jobs(
     client: &mut Client,
     hosts: &[String],
     per_host: usize,
-    stop_file: &Path,
 ) -> anyhow::Result<Vec<u64>> {
-    let script = format!("while [ ! -e {} ]; do sleep 0.5; done", stop_file.display());
+    let script = "exec sleep 86400".to_owned();
     let mut ids = Vec::new();
     for h in hosts {
         for k in 0..per_host {

@@ -10,6 +10,7 @@ mod basic;
 mod enforcement;
 mod failover;
 mod hostile_input;
+mod job_env;
 mod membership;
 mod security;
 mod telemetry;

@@ -174,6 +174,8 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
         .allocations_on(node)
         .filter_map(|r| {
             let job = cluster.jobs.get(&r.allocation.job)?;
+            let (task_index, task_nodes, task_hosts) =
+                task_layout(cluster, job.id, r.allocation.id);
             Some(pa::Assignment {
                 allocation_id: r.allocation.id,
                 job_id: job.id,
@@ -189,6 +191,11 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                 gpu_memory_mib: r.allocation.gpu_memory_mib,
                 cpu_milli: job.spec.cpu_milli_per_task,
                 memory_mib: job.spec.memory_mib_per_task,
+                workdir: job.spec.workdir.clone().unwrap_or_default(),
+                task_index,
+                task_count: u32::try_from(task_hosts.len()).unwrap_or(u32::MAX),
+                task_hosts,
+                task_nodes,
             })
         })
         .collect();
@@ -196,6 +203,39 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
         term,
         epoch: cluster.last_allocation_id,
         allocations,
+    }
+}
+
+/// Allocation `id`'s task index among job `job`'s live allocations (by allocation id: the
+/// order they were placed in, the same on every replica), each task's node, and each
+/// task's host: its node's agent address without the port (where MASTER_ADDR is reached).
+fn task_layout(cluster: &ClusterState, job: u64, id: u64) -> (u32, Vec<String>, Vec<String>) {
+    let mut tasks: Vec<(u64, String, String)> = cluster
+        .allocations_of(job)
+        .map(|r| {
+            let node = &r.allocation.node;
+            let host = cluster
+                .nodes
+                .get(node)
+                .map(|n| host_of(&n.spec.agent_address))
+                .unwrap_or_default();
+            (r.allocation.id, node.clone(), host)
+        })
+        .collect();
+    tasks.sort();
+    let index = tasks.iter().position(|(a, _, _)| *a == id).unwrap_or(0);
+    let (nodes, hosts) = tasks.into_iter().map(|(_, n, h)| (n, h)).unzip();
+    (u32::try_from(index).unwrap_or(u32::MAX), nodes, hosts)
+}
+
+/// "10.0.0.5:7100" → "10.0.0.5", "[fd00::1]:7100" → "fd00::1", "gpu-3" → "gpu-3".
+fn host_of(address: &str) -> String {
+    if let Some(rest) = address.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest).to_owned();
+    }
+    match address.rsplit_once(':') {
+        Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host.to_owned(),
+        _ => address.to_owned(),
     }
 }
 

@@ -75,6 +75,7 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
         mig_profile: non_empty(spec.mig_profile),
         preemptible: spec.preemptible,
         single_numa: spec.single_numa,
+        workdir: non_empty(spec.workdir),
     })
 }
 
@@ -109,6 +110,7 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
         mig_profile: spec.mig_profile.clone().unwrap_or_default(),
         preemptible: spec.preemptible,
         single_numa: spec.single_numa,
+        workdir: spec.workdir.clone().unwrap_or_default(),
     }
 }
 
@@ -374,6 +376,7 @@ mod tests {
             mig_profile: Some("3g.40gb".into()),
             preemptible: true,
             single_numa: true,
+            workdir: Some("/home/ml/run-7".into()),
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

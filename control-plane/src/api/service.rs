@@ -261,6 +261,10 @@ impl ControlPlane for ControlPlaneService {
                 }
                 caller.require_tenant(&spec.tenant, "submit jobs on behalf")?;
                 validate_job_spec(&spec)?;
+                if r.sm.cluster_version() < 2 {
+                    // Format 1 has no working directory; the entry keeps its shape.
+                    spec.workdir = None;
+                }
                 let key = if req.idempotency_key.is_empty() {
                     None
                 } else {

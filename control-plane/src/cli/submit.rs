@@ -2,6 +2,7 @@
 //! across replicas (and after a leader failover) never create a second job.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use proto::v1 as pb;
@@ -55,6 +56,10 @@ pub struct SubmitArgs {
     /// Host memory per task: MiB, or with K/M/G/T suffix.
     #[arg(long)]
     pub mem: Option<String>,
+    /// Working directory of the tasks on the GPU hosts (default: the current directory, as
+    /// sbatch does). A host without it runs the task in its scratch directory and says so.
+    #[arg(long, short = 'D', alias = "workdir", value_name = "DIR")]
+    pub chdir: Option<PathBuf>,
     /// A share of one GPU per task, in milli-GPU (1-999; `--gpus` must be 1): shares are packed
     /// onto one GPU up to 1000 milli and its memory.
     #[arg(long, alias = "gpu-share", value_name = "MILLI")]
@@ -144,6 +149,16 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
             .map(|c| c.rsplit('/').next().unwrap_or(c).to_owned())
             .unwrap_or_default()
     });
+    let workdir = match args.chdir {
+        Some(dir) => {
+            std::path::absolute(&dir).with_context(|| format!("--chdir {}", dir.display()))?
+        }
+        None => std::env::current_dir().context("finding the current directory (give --chdir)")?,
+    };
+    let workdir = workdir
+        .to_str()
+        .ok_or_else(|| anyhow::anyhow!("working directory {} is not UTF-8", workdir.display()))?
+        .to_owned();
     Ok(pb::SubmitJobRequest {
         spec: Some(pb::JobSpec {
             tenant: args.tenant.unwrap_or_default(),
@@ -164,6 +179,7 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
             mig_profile: args.mig.unwrap_or_default(),
             preemptible: args.preemptible,
             single_numa: args.single_numa,
+            workdir,
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })

@@ -52,6 +52,12 @@ impl ClusterState {
             } => {
                 // An empty key is no key (protobuf's default string).
                 let key = idempotency_key.as_deref().filter(|k| !k.is_empty());
+                if spec.workdir.is_some() && !self.cluster_version.allows(2) {
+                    // Format 1 has no working directory; a format-1 replica would not keep it.
+                    let mut spec = spec.clone();
+                    spec.workdir = None;
+                    return self.submit(&spec, key, at, index, changed);
+                }
                 self.submit(spec, key, at, index, changed)
             }
             Command::CancelJob { job, reason } => self.cancel(*job, reason, at, index, changed),

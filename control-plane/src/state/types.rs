@@ -154,6 +154,10 @@ pub struct JobSpec {
     /// All GPUs of a task must sit on one NUMA node (otherwise that is only a preference).
     #[serde(default)]
     pub single_numa: bool,
+    /// Working directory of its tasks (absolute). Format 2: left out while the cluster
+    /// version is 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
 }
 
 /// Milli-GPU per whole GPU: quotas, fair share and shares are all counted in milli-GPU.

@@ -69,8 +69,30 @@ pub fn validate_name(field: &str, value: &str) -> Result<(), Rejection> {
     Ok(())
 }
 
+/// Longest working directory accepted (Linux's PATH_MAX).
+const MAX_WORKDIR_LEN: usize = 4096;
+
+fn validate_workdir(dir: &str) -> Result<(), Rejection> {
+    if !dir.starts_with('/') {
+        return Err(Rejection::invalid(
+            "workdir",
+            format!("{dir:?} is not an absolute path (give --chdir /path)"),
+        ));
+    }
+    if dir.len() > MAX_WORKDIR_LEN || dir.contains('\0') {
+        return Err(Rejection::invalid(
+            "workdir",
+            format!("longer than {MAX_WORKDIR_LEN} bytes, or holds a NUL byte"),
+        ));
+    }
+    Ok(())
+}
+
 pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
     validate_name("tenant", &spec.tenant)?;
+    if let Some(dir) = &spec.workdir {
+        validate_workdir(dir)?;
+    }
     if spec.name.len() > MAX_NAME_LEN {
         return Err(Rejection::invalid(
             "name",

@@ -19,6 +19,7 @@ pub mod control;
 pub mod reconcile;
 pub mod restart;
 mod service;
+pub mod task_env;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future;
@@ -548,13 +549,21 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
                 .map(|g| (uuid.clone(), g.uuid.clone()))
         })
         .collect();
+    let mut env: BTreeMap<String, String> = a.env.clone().into_iter().collect();
+    env.extend(task_env::task_env(
+        a.job_id,
+        a.task_index,
+        &a.task_nodes,
+        &a.task_hosts,
+        &env,
+    ));
     LaunchSpec {
         allocation_id: a.allocation_id,
         job_id: a.job_id,
         job_name: a.job_name.clone(),
         tenant: a.tenant.clone(),
         command: a.command.clone(),
-        env: a.env.clone().into_iter().collect(),
+        env,
         gpus: a.gpus.clone(),
         time_limit: (a.time_limit_secs > 0).then(|| Duration::from_secs(a.time_limit_secs)),
         share,
@@ -562,6 +571,7 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
         cpu_milli: a.cpu_milli,
         memory_mib: a.memory_mib,
         gpu_minors: gpu_minors(inventory, &a.gpus),
+        workdir: (!a.workdir.is_empty()).then(|| PathBuf::from(&a.workdir)),
     }
 }
 

@@ -7,7 +7,7 @@ use proto::agent::{Assignment, Assignments};
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
-    Launch(Assignment),
+    Launch(Box<Assignment>),
     Stop(u64),
     /// The control plane wants it stopped but it never started here: report it stopped so
     /// its GPUs are released.
@@ -57,7 +57,7 @@ pub fn reconcile(
     }
     for (id, a) in &wanted {
         if !live.contains(id) && !finished.contains(id) {
-            actions.push(Action::Launch((*a).clone()));
+            actions.push(Action::Launch(Box::new((*a).clone())));
         }
     }
     for a in desired.allocations.iter().filter(|a| a.stop) {

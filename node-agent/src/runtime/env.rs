@@ -272,6 +272,7 @@ mod tests {
             cpu_milli: 0,
             memory_mib: 0,
             gpu_minors: Vec::new(),
+            workdir: None,
         }
     }
 
@@ -486,6 +487,7 @@ mod tests {
                     cpu_milli: 0,
                     memory_mib: 0,
                     gpu_minors: Vec::new(),
+                    workdir: None,
                     ..share_spec(500, 100)
                 },
             ),

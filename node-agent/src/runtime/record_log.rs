@@ -436,6 +436,7 @@ mod tests {
             cpu_milli: 0,
             memory_mib: 0,
             gpu_minors: Vec::new(),
+            workdir: None,
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = pid;

@@ -190,14 +190,28 @@ impl Runtime {
             cgroup: record.cgroup.clone(),
         };
         let env = command_env(&record.spec, |key| std::env::var(key).ok());
+        let workdir = match &record.spec.workdir {
+            Some(dir) if dir.is_dir() => dir.clone(),
+            Some(dir) => {
+                // Slurm's habit: run anyway, where the job can write, and say so.
+                let _ = writeln!(
+                    &shim_stderr,
+                    "gpucp: working directory {} does not exist on this host; the job runs in {} instead",
+                    dir.display(),
+                    log_dir.display()
+                );
+                log_dir.clone()
+            }
+            None => log_dir.clone(),
+        };
         let mut command = Command::new(&self.config.shim_program);
         command
             .args(&self.config.shim_args)
             .args(shim_args.to_args())
             .env_clear()
             .envs(&env)
-            // A writable per-allocation directory the command may use for scratch files.
-            .current_dir(&log_dir)
+            // The job's directory, or a writable per-allocation one for scratch files.
+            .current_dir(&workdir)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(shim_stderr)
@@ -874,6 +888,7 @@ mod tests {
             cpu_milli: 0,
             memory_mib: 0,
             gpu_minors: Vec::new(),
+            workdir: None,
         }
     }
 

@@ -59,6 +59,10 @@ pub struct LaunchSpec {
     /// GPU): what its cgroup lets it open.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_minors: Vec<u32>,
+    /// Where the command starts; `None`, or a directory this host lacks: the allocation's
+    /// scratch directory (the latter said in its stderr log).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<PathBuf>,
 }
 
 fn is_zero(v: &u64) -> bool {

@@ -1,0 +1,142 @@
+//! The variables a task of a multi-task job finds, so that torchrun, DeepSpeed, Horovod and
+//! scripts written for Slurm start without a wrapper: its rank among the job's tasks, the
+//! world size, its rank on its host, the rendezvous address and port, and the Slurm names of
+//! the same. Pure: computed from the assignment alone.
+
+use std::collections::BTreeMap;
+
+/// Lowest rendezvous port: below Linux's ephemeral range (32768+), so a port chosen for a
+/// job is not one the kernel hands out to an outgoing connection.
+const FIRST_MASTER_PORT: u64 = 20_000;
+const MASTER_PORTS: u64 = 12_000;
+
+/// The job's rendezvous port: one per job (jobs sharing a first host get different ports,
+/// unless their ids are 12,000 apart).
+pub fn master_port(job_id: u64) -> u64 {
+    FIRST_MASTER_PORT + job_id % MASTER_PORTS
+}
+
+/// Variables for task `index` of `nodes.len()`, given each task's node and host (address
+/// to reach it) in index order. The `GPUCP_*` ones are always set; the framework names
+/// (`RANK`, `MASTER_PORT`, `SLURM_*`, ...) only where the job's own environment does not
+/// set them. Local ranks count tasks on the same node.
+pub fn task_env(
+    job_id: u64,
+    index: u32,
+    nodes: &[String],
+    hosts: &[String],
+    user: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let count = nodes.len().max(1);
+    let index = index as usize;
+    let me = nodes.get(index).cloned().unwrap_or_default();
+    let local_rank = nodes.iter().take(index).filter(|h| **h == me).count();
+    let local_size = nodes.iter().filter(|h| **h == me).count().max(1);
+    let master = hosts
+        .first()
+        .filter(|h| !h.is_empty())
+        .cloned()
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let mut distinct: Vec<&String> = Vec::new();
+    for h in nodes {
+        if !distinct.contains(&h) {
+            distinct.push(h);
+        }
+    }
+    let mut env = BTreeMap::new();
+    let mut set = |k: &str, v: String| {
+        env.insert(k.to_owned(), v);
+    };
+    set("GPUCP_TASK_ID", index.to_string());
+    set("GPUCP_TASK_COUNT", count.to_string());
+    set("GPUCP_TASK_HOSTS", hosts.join(","));
+    let defaults = [
+        ("RANK", index.to_string()),
+        ("WORLD_SIZE", count.to_string()),
+        ("LOCAL_RANK", local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE", local_size.to_string()),
+        ("MASTER_ADDR", master),
+        ("MASTER_PORT", master_port(job_id).to_string()),
+        ("SLURM_JOB_ID", job_id.to_string()),
+        ("SLURM_PROCID", index.to_string()),
+        ("SLURM_NTASKS", count.to_string()),
+        ("SLURM_LOCALID", local_rank.to_string()),
+        ("SLURM_NNODES", distinct.len().max(1).to_string()),
+        (
+            "SLURM_NODEID",
+            distinct
+                .iter()
+                .position(|h| **h == me)
+                .unwrap_or(0)
+                .to_string(),
+        ),
+    ];
+    for (k, v) in defaults {
+        if !user.contains_key(k) {
+            env.insert(k.to_owned(), v);
+        }
+    }
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn ranks_count_across_the_job_and_within_each_host() {
+        let h = hosts(&["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.1"]);
+        let e = task_env(41, 3, &h, &h, &BTreeMap::new());
+        assert_eq!(e["RANK"], "3");
+        assert_eq!(e["WORLD_SIZE"], "4");
+        assert_eq!(e["LOCAL_RANK"], "2", "the third task on 10.0.0.1");
+        assert_eq!(e["LOCAL_WORLD_SIZE"], "3");
+        assert_eq!(e["MASTER_ADDR"], "10.0.0.1");
+        assert_eq!(e["MASTER_PORT"], "20041");
+        assert_eq!(e["SLURM_PROCID"], "3");
+        assert_eq!(e["SLURM_NNODES"], "2");
+        assert_eq!(e["SLURM_NODEID"], "0");
+        assert_eq!(e["GPUCP_TASK_HOSTS"], "10.0.0.1,10.0.0.1,10.0.0.2,10.0.0.1");
+        let second_host = task_env(41, 2, &h, &h, &BTreeMap::new());
+        assert_eq!(second_host["LOCAL_RANK"], "0");
+        assert_eq!(second_host["SLURM_NODEID"], "1");
+    }
+
+    #[test]
+    fn two_nodes_behind_one_address_are_two_nodes() {
+        let nodes = hosts(&["n1", "n2"]);
+        let addrs = hosts(&["127.0.0.1", "127.0.0.1"]);
+        let e = task_env(1, 1, &nodes, &addrs, &BTreeMap::new());
+        assert_eq!(e["LOCAL_RANK"], "0");
+        assert_eq!(e["LOCAL_WORLD_SIZE"], "1");
+        assert_eq!(e["SLURM_NNODES"], "2");
+        assert_eq!(e["MASTER_ADDR"], "127.0.0.1");
+    }
+
+    #[test]
+    fn the_jobs_own_variables_win_except_gpucp_ones() {
+        let user = BTreeMap::from([
+            ("MASTER_PORT".to_owned(), "29500".to_owned()),
+            ("GPUCP_TASK_ID".to_owned(), "9".to_owned()),
+        ]);
+        let e = task_env(7, 0, &hosts(&["n"]), &hosts(&["h"]), &user);
+        assert!(!e.contains_key("MASTER_PORT"), "the job's 29500 stays");
+        assert_eq!(e["GPUCP_TASK_ID"], "0");
+        assert_eq!(e["WORLD_SIZE"], "1");
+    }
+
+    #[test]
+    fn a_single_task_job_is_rank_0_of_1_and_ports_stay_below_the_ephemeral_range() {
+        let e = task_env(5, 0, &[], &[], &BTreeMap::new());
+        assert_eq!((e["RANK"].as_str(), e["WORLD_SIZE"].as_str()), ("0", "1"));
+        assert_eq!(e["MASTER_ADDR"], "127.0.0.1");
+        for id in [0, 1, 11_999, 12_000, u64::MAX] {
+            let p = master_port(id);
+            assert!((20_000..32_000).contains(&p), "{id}: {p}");
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! The environment a job's tasks start in: the submitter's directory (or `--chdir`), and the
+//! rank variables of multi-task jobs that torchrun and Slurm scripts read.
+
+use std::time::Duration;
+
+use control_plane::client::with_timeout;
+use proto::v1 as pb;
+
+use crate::util::*;
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `gpuctl -o json submit ARGS -- sh -c SCRIPT`, run from `cwd`; returns the job id.
+fn submit_from(c: &TestCluster, cwd: &std::path::Path, args: &[&str], script: &str) -> u64 {
+    let out = std::process::Command::new(gpuctl_bin())
+        .current_dir(cwd)
+        .args(["-o", "json", "submit"])
+        .args(args)
+        .args(["--", "sh", "-c", script])
+        .envs(c.gpuctl_env().unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["id"].as_u64().unwrap()
+}
+
+async fn logs(client: &mut control_plane::client::Client, job: u64) -> (String, String) {
+    let l = client
+        .call(|mut c, t| async move {
+            c.read_job_logs(with_timeout(
+                pb::ReadJobLogsRequest {
+                    job_id: job,
+                    tail_bytes: 0,
+                },
+                t,
+            ))
+            .await
+        })
+        .await
+        .unwrap();
+    (
+        String::from_utf8_lossy(&l.stdout).into_owned(),
+        String::from_utf8_lossy(&l.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_starts_in_the_submitters_directory_or_its_chdir() {
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let here = tempfile::tempdir().unwrap();
+    let there = tempfile::tempdir().unwrap();
+
+    step("by default, where gpuctl submit ran");
+    let a = submit_from(&c, here.path(), &["-G", "1"], "pwd");
+    step("--chdir elsewhere");
+    let b = submit_from(
+        &c,
+        here.path(),
+        &["-G", "1", "--chdir", &there.path().display().to_string()],
+        "pwd",
+    );
+    step("a directory the host lacks: the job runs anyway, and says where");
+    let d = submit_from(
+        &c,
+        here.path(),
+        &["-G", "1", "--chdir", "/nonexistent/dir"],
+        "pwd",
+    );
+    for id in [a, b, d] {
+        wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+            j.state == "succeeded"
+        })
+        .await;
+    }
+    assert_eq!(
+        logs(&mut client, a).await.0.trim(),
+        here.path().display().to_string()
+    );
+    assert_eq!(
+        logs(&mut client, b).await.0.trim(),
+        there.path().display().to_string()
+    );
+    let (out, err) = logs(&mut client, d).await;
+    assert!(
+        err.contains("working directory /nonexistent/dir does not exist on this host"),
+        "{err}"
+    );
+    assert!(
+        !out.trim().is_empty() && out.trim() != "/nonexistent/dir",
+        "{out}"
+    );
+
+    step("a relative --chdir is made absolute by gpuctl; nonsense is refused by the API");
+    let job = pb::JobSpec {
+        workdir: "relative/dir".into(),
+        ..shell_job(1, "true")
+    };
+    let err = submit(&mut client, job, "").await.unwrap_err();
+    assert!(err.message().contains("not an absolute path"), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tasks_of_a_job_find_their_ranks_and_the_rendezvous_address() {
+    let c = start_with_agents(&[
+        ("n1", "a100-pcie-4gpu-nvlink-pairs"),
+        ("n2", "a100-pcie-4gpu-nvlink-pairs"),
+    ])
+    .await;
+    let mut client = c.client().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // 3 tasks of 4 GPUs on two 4-GPU hosts cannot fit; 2 tasks of 4 GPUs take one host each.
+    let script = format!(
+        "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $SLURM_PROCID $SLURM_NTASKS $GPUCP_TASK_COUNT\" > {d}/rank-$RANK",
+        d = dir.path().display()
+    );
+    let job = pb::JobSpec {
+        tasks: 2,
+        ..shell_job(4, &script)
+    };
+    let id = submit(&mut client, job, "").await.unwrap().id;
+    wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+    let port = 20_000 + id % 12_000;
+    for rank in 0..2 {
+        let line = std::fs::read_to_string(dir.path().join(format!("rank-{rank}")))
+            .unwrap_or_else(|e| panic!("task {rank} wrote nothing: {e}"));
+        assert_eq!(
+            line.trim(),
+            format!("{rank} 2 0 1 127.0.0.1 {port} {rank} 2 2"),
+            "task {rank}"
+        );
+    }
+}

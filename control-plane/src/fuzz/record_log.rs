@@ -99,6 +99,7 @@ fn record(id: u64, stop: bool, exit: Option<ExitKind>) -> Value {
         memory_mib: 0,
         gpu_minors: Vec::new(),
         workdir: None,
+        numa_node: None,
     };
     json!({
         "format": 1,

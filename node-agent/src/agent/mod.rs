@@ -572,6 +572,7 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
         memory_mib: a.memory_mib,
         gpu_minors: gpu_minors(inventory, &a.gpus),
         workdir: (!a.workdir.is_empty()).then(|| PathBuf::from(&a.workdir)),
+        numa_node: shared_numa_node(inventory, &a.gpus),
     }
 }
 
@@ -615,6 +616,20 @@ fn simulated_device_nodes(dir: &std::path::Path, inventory: &HostInventory) -> O
             None
         }
     }
+}
+
+/// The NUMA node all of `uuids` (GPUs, or MIG slices: their parent's) are attached to, if
+/// they share one and it is known.
+fn shared_numa_node(inventory: &HostInventory, uuids: &[String]) -> Option<u32> {
+    let mut nodes = uuids.iter().map(|uuid| {
+        inventory
+            .gpus
+            .iter()
+            .find(|g| &g.uuid == uuid || g.mig_instances.iter().any(|m| &m.uuid == uuid))
+            .and_then(|g| g.numa_node)
+    });
+    let first = nodes.next()??;
+    nodes.all(|n| n == Some(first)).then_some(first)
 }
 
 /// The device minors (`/dev/nvidiaN`) of `uuids`: a GPU's index, a MIG slice's parent's.
@@ -1261,6 +1276,43 @@ mod tests {
         // Informational: nobody stops.
         assert!(fault_stops(&verdict(false, false), &[1, 2]).is_empty());
         assert!(fault_stops(&verdict(true, true), &[]).is_empty());
+    }
+
+    #[test]
+    fn launch_specs_carry_device_minors_the_shared_numa_node_and_task_ranks() {
+        let inv = SimulatedBackend::from_preset("dgx-h100", "n")
+            .expect("preset")
+            .inventory()
+            .expect("inventory");
+        let uuid = |i: usize| inv.gpus[i].uuid.clone();
+        let numa = |i: usize| inv.gpus[i].numa_node;
+        assert_ne!(numa(0), numa(7), "the preset spans two NUMA nodes");
+        let a = pa::Assignment {
+            allocation_id: 9,
+            job_id: 4,
+            command: vec!["true".into()],
+            gpus: vec![uuid(1), uuid(0)],
+            cpu_milli: 2000,
+            memory_mib: 512,
+            workdir: "/home/u".into(),
+            task_index: 1,
+            task_count: 2,
+            task_nodes: vec!["a".into(), "n".into()],
+            task_hosts: vec!["10.0.0.1".into(), "10.0.0.2".into()],
+            ..Default::default()
+        };
+        let s = launch_spec(&inv, &a);
+        assert_eq!(s.gpu_minors, vec![0, 1]);
+        assert_eq!(s.numa_node, numa(0));
+        assert_eq!((s.cpu_milli, s.memory_mib), (2000, 512));
+        assert_eq!(s.workdir, Some(PathBuf::from("/home/u")));
+        assert_eq!(s.env["RANK"], "1");
+        assert_eq!(s.env["MASTER_ADDR"], "10.0.0.1");
+        let across = pa::Assignment {
+            gpus: vec![uuid(0), uuid(7)],
+            ..a
+        };
+        assert_eq!(launch_spec(&inv, &across).numa_node, None);
     }
 
     #[test]

@@ -273,6 +273,7 @@ mod tests {
             memory_mib: 0,
             gpu_minors: Vec::new(),
             workdir: None,
+            numa_node: None,
         }
     }
 
@@ -488,6 +489,7 @@ mod tests {
                     memory_mib: 0,
                     gpu_minors: Vec::new(),
                     workdir: None,
+                    numa_node: None,
                     ..share_spec(500, 100)
                 },
             ),

@@ -437,6 +437,7 @@ mod tests {
             memory_mib: 0,
             gpu_minors: Vec::new(),
             workdir: None,
+            numa_node: None,
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = pid;

@@ -775,11 +775,19 @@ fn cgroup_limits(
     spec: &LaunchSpec,
     majors: crate::cgroup::devices::DriverMajors,
 ) -> crate::cgroup::Limits {
+    // Pinned to the GPUs' NUMA node where this host has it (a simulated host may describe
+    // nodes the machine running it lacks: then not pinned).
+    let numa_cpus = spec.numa_node.and_then(|n| {
+        std::fs::read_to_string(format!("/sys/devices/system/node/node{n}/cpulist"))
+            .ok()
+            .map(|cpus| (cpus.trim().to_owned(), n.to_string()))
+            .filter(|(cpus, _)| !cpus.is_empty())
+    });
     crate::cgroup::Limits {
         memory_bytes: (spec.memory_mib > 0).then_some(spec.memory_mib.saturating_mul(1 << 20)),
         cpu_milli: (spec.cpu_milli > 0).then_some(spec.cpu_milli),
-        cpus: None,
-        mems: None,
+        cpus: numa_cpus.as_ref().map(|(cpus, _)| cpus.clone()),
+        mems: numa_cpus.map(|(_, node)| node),
         devices: Some(crate::cgroup::devices::allocation_rules(
             &spec.gpu_minors,
             &[],
@@ -889,6 +897,7 @@ mod tests {
             memory_mib: 0,
             gpu_minors: Vec::new(),
             workdir: None,
+            numa_node: None,
         }
     }
 

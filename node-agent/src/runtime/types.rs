@@ -63,6 +63,10 @@ pub struct LaunchSpec {
     /// scratch directory (the latter said in its stderr log).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workdir: Option<PathBuf>,
+    /// The NUMA node every GPU of the allocation is attached to, if they share one: its
+    /// cgroup's cpuset is pinned to that node's CPUs and memory where the host has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
 }
 
 fn is_zero(v: &u64) -> bool {

@@ -189,6 +189,8 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
+        // The last chunk is answered once the follower has installed the whole state.
+        let _installing = rpc.done.then(|| self.peers.installing(self.target));
         self.call(Rpc::InstallSnapshot, &rpc, &option).await
     }
 

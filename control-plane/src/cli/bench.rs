@@ -86,6 +86,12 @@ pub enum BenchCommand {
         /// process) or tls (each host with its own certificate and connections).
         #[arg(long, value_enum, default_value = "insecure", value_delimiter = ',')]
         security: Vec<Security>,
+        /// Also compare the log's JSON entries with a protobuf encoding of the same entries
+        /// (bytes, encode, decode, decode + apply), on the entries this run committed, read
+        /// back from a follower's log after the run. The replicas then keep their whole log
+        /// (no snapshots during the run).
+        #[arg(long)]
+        encoding_compare: bool,
     },
     /// Submission latency at fixed offered rates (open loop) through three replicas.
     Submit {
@@ -283,6 +289,17 @@ fn run_on_cluster(
     {
         cluster.extra_args = replica_args.split_whitespace().map(str::to_owned).collect();
     }
+    let encoding_compare = matches!(
+        command,
+        BenchCommand::Placement {
+            encoding_compare: true,
+            ..
+        }
+    );
+    if encoding_compare {
+        // Every entry of the run stays in the log, to be read back after it.
+        cluster.extra_args = vec!["--snapshot-every".into(), "1000000000".into()];
+    }
     cluster.start_all()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -318,7 +335,12 @@ fn run_on_cluster(
                     submit_concurrency: *submit_concurrency,
                     heartbeat: heartbeat_ms.map(Duration::from_millis),
                 };
-                let (text, json) = super::bench_placement::run(&cluster, args).await?;
+                let (mut text, mut json) = super::bench_placement::run(&cluster, args).await?;
+                if encoding_compare {
+                    let (t, j) = compare_encodings(&mut cluster).await?;
+                    text.push_str(&t);
+                    json["encoding"] = j;
+                }
                 Ok(Report { text, json })
             }
             BenchCommand::Submit {
@@ -364,6 +386,33 @@ fn run_on_cluster(
             }
         }
     })
+}
+
+/// Stops a follower once the run is over and compares the encodings of its log's entries
+/// (`bench_encoding`).
+async fn compare_encodings(
+    cluster: &mut LocalCluster,
+) -> anyhow::Result<(String, serde_json::Value)> {
+    let leader = cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await?
+        .leader;
+    let follower = *cluster
+        .replicas
+        .keys()
+        .find(|id| **id != leader)
+        .context("no follower")?;
+    // Its log holds every committed entry the leader's does, once it has applied them all.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.stop(follower, Duration::from_secs(30))?;
+    let data_dir = cluster.replicas[&follower].data_dir.clone();
+    let name = cluster.cluster.clone();
+    let followers = cluster.replicas.len() - 1;
+    tokio::task::spawn_blocking(move || {
+        let entries = super::bench_encoding::read_log(&data_dir, &name, follower)?;
+        super::bench_encoding::compare(&entries, followers)
+    })
+    .await?
 }
 
 /// The reports of several security modes, one after the other, with the figures that

@@ -6,6 +6,7 @@
 mod backup;
 mod bench;
 mod bench_e2e;
+mod bench_encoding;
 mod bench_failover;
 mod bench_hosts;
 mod bench_memory;

@@ -9,6 +9,7 @@
 //! - `submit`: submission latency at fixed offered rates, open loop, through a follower and
 //!   through the leader (`bench_submit`).
 //! - `scheduler`: one scheduling pass, in process (`bench_scheduler`).
+//! - `membership`: adding a replica to a cluster holding a large state (`bench_membership`).
 //! - `e2e`: end-to-end jobs per second on simulated hosts running real agents, side by side
 //!   with Slurm (`bench_e2e`, `bench_slurm`).
 
@@ -160,6 +161,21 @@ pub enum BenchCommand {
         #[arg(long, hide = true)]
         no_compaction: bool,
     },
+    /// Adding a replica to a cluster holding a large state: a 3-replica cluster restored from
+    /// a job history of `--jobs` jobs, a 4th replica added (`cluster add`): snapshot size, time
+    /// to install and to promote, the leader's write gaps meanwhile, RSS, and `cluster snapshot
+    /// save` of the same state.
+    Membership {
+        /// Job history sizes, one fresh cluster each (comma-separated).
+        #[arg(long, default_value = "1000000", value_delimiter = ',')]
+        jobs: Vec<usize>,
+        /// 8-GPU hosts of the history (as `bench memory`).
+        #[arg(long, default_value_t = 10_000)]
+        hosts: usize,
+        /// Extra flags for every replica.
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        replica_args: String,
+    },
     /// End to end, ours and Slurm's side by side: jobs of `sleep 0` on one GPU each, from
     /// release to all completed, on simulated hosts running real agents (Slurm: real slurmds).
     E2e {
@@ -228,6 +244,26 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             dir,
             compaction: !no_compaction,
         })?;
+        match fmt {
+            Format::Json => println!("{json}"),
+            Format::Table => print!("{text}"),
+        }
+        return Ok(());
+    }
+    if let BenchCommand::Membership {
+        jobs,
+        hosts,
+        replica_args,
+    } = command
+    {
+        let (text, json) = super::bench_membership::run(
+            super::bench_membership::Args {
+                jobs,
+                hosts,
+                replica_args: replica_args.split_whitespace().map(str::to_owned).collect(),
+            },
+            keep_data,
+        )?;
         match fmt {
             Format::Json => println!("{json}"),
             Format::Table => print!("{text}"),
@@ -381,6 +417,7 @@ fn run_on_cluster(
             }
             BenchCommand::Scheduler { .. }
             | BenchCommand::Memory { .. }
+            | BenchCommand::Membership { .. }
             | BenchCommand::E2e { .. } => {
                 unreachable!("runs in process, above")
             }

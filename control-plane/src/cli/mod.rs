@@ -9,6 +9,7 @@ mod bench_e2e;
 mod bench_encoding;
 mod bench_failover;
 mod bench_hosts;
+mod bench_membership;
 mod bench_memory;
 mod bench_placement;
 mod bench_scheduler;

@@ -57,6 +57,18 @@ impl Defaults {
     pub const ELECTION_MIN_MS: u64 = 90;
     pub const ELECTION_MAX_MS: u64 = 150;
     pub const SNAPSHOT_EVERY: u64 = 10_000;
+    /// How long the leader waits for a follower to accept the *last* chunk of a snapshot. Its
+    /// answer comes only once the follower has decoded, checked and stored the whole state,
+    /// which grows with it: 5.9 s at 1,000,000 jobs (216 MB) in a release build on a 2-core
+    /// machine, over 2 s at 100,000 in a debug build (`gpuctl bench membership`). With the
+    /// 2 s every chunk used to get, the leader gave up on it, sent the whole snapshot again,
+    /// gave up again, and `cluster add` never got its replica. A last chunk that is lost costs
+    /// this long before the snapshot is sent again (openraft's `install_snapshot_timeout`).
+    pub const INSTALL_SNAPSHOT_TIMEOUT_MS: u64 = 120_000;
+    /// How long the leader waits for a follower to accept any other chunk of a snapshot
+    /// (3 MiB, stored in memory): as before, so a lost chunk is resent soon
+    /// (`raft::network`).
+    pub const SNAPSHOT_CHUNK_TIMEOUT_MS: u64 = 2_000;
     /// Most log entries in one AppendEntries (openraft's default is 300). Under a burst, an
     /// entry is a batch of up to 512 submissions; 300 of them took a loaded follower 80–120 ms
     /// to accept, and while it does, the leader sends that follower nothing else (not even a

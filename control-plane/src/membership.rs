@@ -397,7 +397,9 @@ async fn wait_caught_up(
             .as_deref()
             .map(|e| format!(" (last error: {e})"))
             .unwrap_or_default();
-        let silent_for = contact.last_ok.map_or(start.elapsed(), |t| t.elapsed());
+        // A learner installing the snapshot answers nothing else until it is done; the time
+        // that takes grows with the state and is bounded by the install timeout instead.
+        let silent_for = contact.silent_for(start.elapsed());
         if silent_for >= settings.answer_timeout {
             let what = if answered {
                 format!(

@@ -51,3 +51,40 @@ fn failover_measures_leader_commit_and_placement() {
     }
     assert!(j["jobs_finished"].as_u64().unwrap() > 0, "{j}");
 }
+
+#[test]
+fn placement_compares_the_log_encodings_on_the_entries_it_committed() {
+    let j = bench_json(&[
+        "placement",
+        "--hosts",
+        "10",
+        "--jobs",
+        "200",
+        "--encoding-compare",
+    ]);
+    assert_eq!(j["placed"], 200, "{j}");
+    let e = &j["encoding"];
+    // Submissions, the plans and the hosts' reports at least, each entry round-tripped.
+    assert!(e["entries"].as_u64().unwrap() >= 3, "{e}");
+    for encoding in ["json", "protobuf"] {
+        for key in [
+            "bytes_total",
+            "encode_ns_per_entry",
+            "decode_ns_per_entry",
+            "decode_apply_ns_per_entry",
+        ] {
+            assert!(
+                e[encoding][key].as_f64().unwrap() > 0.0,
+                "{encoding} {key}: {e}"
+            );
+        }
+    }
+    let kinds: Vec<&str> = e["by_kind"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["kind"].as_str().unwrap())
+        .collect();
+    assert!(kinds.iter().any(|k| k.contains("submit_job")), "{kinds:?}");
+    assert!(kinds.iter().any(|k| k.contains("place")), "{kinds:?}");
+}

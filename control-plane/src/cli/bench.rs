@@ -9,6 +9,7 @@
 //! - `submit`: submission latency at fixed offered rates, open loop, through a follower and
 //!   through the leader (`bench_submit`).
 //! - `scheduler`: one scheduling pass, in process (`bench_scheduler`).
+//! - `membership`: adding a replica to a cluster holding a large state (`bench_membership`).
 //! - `e2e`: end-to-end jobs per second on simulated hosts running real agents, side by side
 //!   with Slurm (`bench_e2e`, `bench_slurm`).
 //! - `rollout`: an in-place agent rollout across a fleet of real agents running jobs
@@ -88,6 +89,12 @@ pub enum BenchCommand {
         /// process) or tls (each host with its own certificate and connections).
         #[arg(long, value_enum, default_value = "insecure", value_delimiter = ',')]
         security: Vec<Security>,
+        /// Also compare the log's JSON entries with a protobuf encoding of the same entries
+        /// (bytes, encode, decode, decode + apply), on the entries this run committed, read
+        /// back from a follower's log after the run. The replicas then keep their whole log
+        /// (no snapshots during the run).
+        #[arg(long)]
+        encoding_compare: bool,
     },
     /// Submission latency at fixed offered rates (open loop) through three replicas.
     Submit {
@@ -155,6 +162,21 @@ pub enum BenchCommand {
         /// Internal: the child applies no `CompactJobs`.
         #[arg(long, hide = true)]
         no_compaction: bool,
+    },
+    /// Adding a replica to a cluster holding a large state: a 3-replica cluster restored from
+    /// a job history of `--jobs` jobs, a 4th replica added (`cluster add`): snapshot size, time
+    /// to install and to promote, the leader's write gaps meanwhile, RSS, and `cluster snapshot
+    /// save` of the same state.
+    Membership {
+        /// Job history sizes, one fresh cluster each (comma-separated).
+        #[arg(long, default_value = "1000000", value_delimiter = ',')]
+        jobs: Vec<usize>,
+        /// 8-GPU hosts of the history (as `bench memory`).
+        #[arg(long, default_value_t = 10_000)]
+        hosts: usize,
+        /// Extra flags for every replica.
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        replica_args: String,
     },
     /// End to end, ours and Slurm's side by side: jobs of `sleep 0` on one GPU each, from
     /// release to all completed, on simulated hosts running real agents (Slurm: real slurmds).
@@ -271,6 +293,26 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         }
         return Ok(());
     }
+    if let BenchCommand::Membership {
+        jobs,
+        hosts,
+        replica_args,
+    } = command
+    {
+        let (text, json) = super::bench_membership::run(
+            super::bench_membership::Args {
+                jobs,
+                hosts,
+                replica_args: replica_args.split_whitespace().map(str::to_owned).collect(),
+            },
+            keep_data,
+        )?;
+        match fmt {
+            Format::Json => println!("{json}"),
+            Format::Table => print!("{text}"),
+        }
+        return Ok(());
+    }
     let tmp = tempfile::Builder::new().prefix("gpucp-bench-").tempdir()?;
     let dir = keep_data.unwrap_or_else(|| tmp.path().to_owned());
     let modes = match &command {
@@ -326,6 +368,17 @@ fn run_on_cluster(
     {
         cluster.extra_args = replica_args.split_whitespace().map(str::to_owned).collect();
     }
+    let encoding_compare = matches!(
+        command,
+        BenchCommand::Placement {
+            encoding_compare: true,
+            ..
+        }
+    );
+    if encoding_compare {
+        // Every entry of the run stays in the log, to be read back after it.
+        cluster.extra_args = vec!["--snapshot-every".into(), "1000000000".into()];
+    }
     cluster.start_all()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -361,7 +414,12 @@ fn run_on_cluster(
                     submit_concurrency: *submit_concurrency,
                     heartbeat: heartbeat_ms.map(Duration::from_millis),
                 };
-                let (text, json) = super::bench_placement::run(&cluster, args).await?;
+                let (mut text, mut json) = super::bench_placement::run(&cluster, args).await?;
+                if encoding_compare {
+                    let (t, j) = compare_encodings(&mut cluster).await?;
+                    text.push_str(&t);
+                    json["encoding"] = j;
+                }
                 Ok(Report { text, json })
             }
             BenchCommand::Submit {
@@ -402,12 +460,40 @@ fn run_on_cluster(
             }
             BenchCommand::Scheduler { .. }
             | BenchCommand::Memory { .. }
+            | BenchCommand::Membership { .. }
             | BenchCommand::E2e { .. }
             | BenchCommand::Rollout { .. } => {
                 unreachable!("runs in process, above")
             }
         }
     })
+}
+
+/// Stops a follower once the run is over and compares the encodings of its log's entries
+/// (`bench_encoding`).
+async fn compare_encodings(
+    cluster: &mut LocalCluster,
+) -> anyhow::Result<(String, serde_json::Value)> {
+    let leader = cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await?
+        .leader;
+    let follower = *cluster
+        .replicas
+        .keys()
+        .find(|id| **id != leader)
+        .context("no follower")?;
+    // Its log holds every committed entry the leader's does, once it has applied them all.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.stop(follower, Duration::from_secs(30))?;
+    let data_dir = cluster.replicas[&follower].data_dir.clone();
+    let name = cluster.cluster.clone();
+    let followers = cluster.replicas.len() - 1;
+    tokio::task::spawn_blocking(move || {
+        let entries = super::bench_encoding::read_log(&data_dir, &name, follower)?;
+        super::bench_encoding::compare(&entries, followers)
+    })
+    .await?
 }
 
 /// The reports of several security modes, one after the other, with the figures that

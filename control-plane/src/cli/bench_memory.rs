@@ -215,7 +215,7 @@ fn text_report(j: &serde_json::Value) -> String {
 }
 
 /// Runs this binary as `bench memory ARGS --output json` and returns its last stdout line.
-fn child(exe: &Path, args: &[String]) -> anyhow::Result<serde_json::Value> {
+pub(super) fn child(exe: &Path, args: &[String]) -> anyhow::Result<serde_json::Value> {
     let out = Process::new(exe)
         .args(["bench", "memory"])
         .args(args)

@@ -185,7 +185,11 @@ impl SimCluster {
         let mut tuning = self.tuning.clone();
         tuning.election_min_ms = election_ms;
         tuning.election_max_ms = election_ms + 1;
-        let config = Arc::new(tuning.openraft_config(&self.name)?);
+        let mut config = tuning.openraft_config(&self.name)?;
+        // The simulated network sends every chunk with openraft's one timeout and models no
+        // slow install: the per-chunk timeout the peer network gives chunks before the last.
+        config.install_snapshot_timeout = crate::config::Defaults::SNAPSHOT_CHUNK_TIMEOUT_MS;
+        let config = Arc::new(config);
         let peers = Arc::new(crate::raft::peers::PeerState::for_timing(
             tuning.heartbeat_ms,
             tuning.election_max_ms,

@@ -65,7 +65,7 @@ impl RaftTuning {
             max_in_snapshot_log_to_keep: self.keep_behind_snapshot,
             max_payload_entries: crate::config::Defaults::MAX_ENTRIES_PER_APPEND,
             append_entries_timeout: crate::config::Defaults::APPEND_ENTRIES_TIMEOUT_MS,
-            install_snapshot_timeout: 2_000,
+            install_snapshot_timeout: crate::config::Defaults::INSTALL_SNAPSHOT_TIMEOUT_MS,
             ..Default::default()
         };
         Ok(config.validate()?)

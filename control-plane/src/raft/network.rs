@@ -94,12 +94,7 @@ impl PeerClient {
         Ok(self.client.clone().expect("client was just created"))
     }
 
-    async fn call<Req, Resp, E>(
-        &mut self,
-        rpc: Rpc,
-        req: &Req,
-        option: &RPCOption,
-    ) -> RpcResult<Resp, E>
+    async fn call<Req, Resp, E>(&mut self, rpc: Rpc, req: &Req, ttl: Duration) -> RpcResult<Resp, E>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
@@ -113,7 +108,7 @@ impl PeerClient {
             format_max: format::CURRENT,
             release: format::RELEASE.to_owned(),
         });
-        request.set_timeout(option.hard_ttl());
+        request.set_timeout(ttl);
         let mut client = match self.client() {
             Ok(c) => c,
             Err(e) => {
@@ -121,10 +116,24 @@ impl PeerClient {
                 return Err(RPCError::Unreachable(e));
             }
         };
-        let response = match rpc {
-            Rpc::AppendEntries => client.append_entries(request).await,
-            Rpc::Vote => client.vote(request).await,
-            Rpc::InstallSnapshot => client.install_snapshot(request).await,
+        let sent = async {
+            match rpc {
+                Rpc::AppendEntries => client.append_entries(request).await,
+                Rpc::Vote => client.vote(request).await,
+                Rpc::InstallSnapshot => client.install_snapshot(request).await,
+            }
+        };
+        // openraft bounds every call by its own timeout; a snapshot chunk other than the last
+        // is given a shorter one here (`install_snapshot`).
+        let response = if matches!(rpc, Rpc::InstallSnapshot) {
+            tokio::time::timeout(ttl, sent).await.unwrap_or_else(|_| {
+                Err(tonic::Status::deadline_exceeded(format!(
+                    "no answer within {} ms",
+                    ttl.as_millis()
+                )))
+            })
+        } else {
+            sent.await
         };
         let response = match response {
             Ok(r) => {
@@ -181,7 +190,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
-        self.call(Rpc::AppendEntries, &rpc, &option).await
+        self.call(Rpc::AppendEntries, &rpc, option.hard_ttl()).await
     }
 
     async fn install_snapshot(
@@ -189,7 +198,16 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
-        self.call(Rpc::InstallSnapshot, &rpc, &option).await
+        // The last chunk is answered once the follower has installed the whole state, which
+        // openraft's timeout (`INSTALL_SNAPSHOT_TIMEOUT_MS`) allows for; any other chunk gets
+        // `SNAPSHOT_CHUNK_TIMEOUT_MS`, and openraft resends it after a failure.
+        let (ttl, _installing) = if rpc.done {
+            (option.hard_ttl(), Some(self.peers.installing(self.target)))
+        } else {
+            let chunk = Duration::from_millis(crate::config::Defaults::SNAPSHOT_CHUNK_TIMEOUT_MS);
+            (option.hard_ttl().min(chunk), None)
+        };
+        self.call(Rpc::InstallSnapshot, &rpc, ttl).await
     }
 
     async fn vote(
@@ -197,7 +215,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
-        self.call(Rpc::Vote, &rpc, &option).await
+        self.call(Rpc::Vote, &rpc, option.hard_ttl()).await
     }
 
     /// After an unreachable peer, retry every 40 ms rather than openraft's default 500 ms. A

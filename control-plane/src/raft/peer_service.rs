@@ -160,7 +160,18 @@ impl RaftPeer for PeerService {
         if let Some(leader) = req.vote.leader_id().voted_for() {
             self.peers.heard_from(leader);
         }
+        let (received, done, bytes) = (std::time::Instant::now(), req.done, req.offset);
         let result = self.raft.install_snapshot(req).await;
+        if done {
+            // The last chunk's answer waits for the whole state to be decoded, checked and
+            // stored; the leader waits `Defaults::INSTALL_SNAPSHOT_TIMEOUT_MS` for it.
+            tracing::info!(
+                took_ms = received.elapsed().as_millis() as u64,
+                offset = bytes,
+                ok = result.is_ok(),
+                "received the last chunk of a snapshot"
+            );
+        }
         self.encode(&result)
     }
 

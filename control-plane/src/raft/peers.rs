@@ -55,6 +55,26 @@ pub struct Contact {
     pub failing_since: Option<Instant>,
     /// The last failure, as text for an operator.
     pub last_error: Option<String>,
+    /// Since when the last chunk of a snapshot sent to the peer awaits its answer: the peer
+    /// is decoding and storing the whole state, and answers nothing else meanwhile.
+    pub installing_since: Option<Instant>,
+    /// When the last such chunk was answered or given up on.
+    pub install_ended: Option<Instant>,
+}
+
+impl Contact {
+    /// How long the peer has not been heard from, not counting time spent installing a
+    /// snapshot (from the moment that install ends, if it ended since the last answer).
+    pub fn silent_for(&self, since_start: Duration) -> Duration {
+        if self.installing_since.is_some() {
+            return Duration::ZERO;
+        }
+        let last = match (self.last_ok, self.install_ended) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        last.map_or(since_start, |t| t.elapsed())
+    }
 }
 
 /// What a peer's binary is, as it last said in a Raft RPC (`RaftMessage`).
@@ -151,6 +171,27 @@ impl PeerState {
         e.last_error = Some(error);
     }
 
+    /// The last chunk of a snapshot is on its way to `id`; `installed` when it is answered or
+    /// given up on (dropping the guard does it).
+    pub fn installing(self: &std::sync::Arc<Self>, id: NodeId) -> InstallGuard {
+        self.contacts()
+            .entry(id)
+            .or_default()
+            .installing_since
+            .get_or_insert_with(Instant::now);
+        InstallGuard {
+            peers: self.clone(),
+            id,
+        }
+    }
+
+    fn installed(&self, id: NodeId) {
+        let mut c = self.contacts();
+        let e = c.entry(id).or_default();
+        e.installing_since = None;
+        e.install_ended = Some(Instant::now());
+    }
+
     /// Forgets what is known about `id` (a replica about to be added under an id used before).
     pub fn forget(&self, id: NodeId) {
         self.contacts().remove(&id);
@@ -225,6 +266,18 @@ impl PeerState {
     }
 }
 
+/// Marks the end of a snapshot's last chunk when dropped (see `PeerState::installing`).
+pub struct InstallGuard {
+    peers: std::sync::Arc<PeerState>,
+    id: NodeId,
+}
+
+impl Drop for InstallGuard {
+    fn drop(&mut self) {
+        self.peers.installed(self.id);
+    }
+}
+
 impl Default for PeerState {
     fn default() -> Self {
         PeerState::for_timing(
@@ -257,5 +310,27 @@ mod tests {
             p.contact(2).last_error.as_deref(),
             Some("connection refused")
         );
+    }
+
+    /// `cluster add` judges a learner by how long it has been silent; the time it spends on a
+    /// snapshot's last chunk (decoding and storing the whole state) does not count.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_installing_a_snapshot_is_not_silent() {
+        let p = std::sync::Arc::new(PeerState::default());
+        let start = Duration::from_secs(1);
+        assert_eq!(p.contact(2).silent_for(start), start, "never heard from");
+        p.heard_from(2);
+        let guard = p.installing(2);
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert_eq!(p.contact(2).silent_for(start), Duration::ZERO);
+        drop(guard);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(
+            p.contact(2).silent_for(start),
+            Duration::from_secs(2),
+            "silent since the install ended, not since the last answer before it"
+        );
+        p.heard_from(2);
+        assert_eq!(p.contact(2).silent_for(start), Duration::ZERO);
     }
 }

@@ -158,6 +158,8 @@ pub mod pb {
         pub preemptible: bool,
         #[prost(bool, tag = "18")]
         pub single_numa: bool,
+        #[prost(string, optional, tag = "19")]
+        pub workdir: Option<String>,
     }
 
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
@@ -209,6 +211,8 @@ pub mod pb {
         pub incarnation: String,
         #[prost(string, tag = "11")]
         pub agent_release: String,
+        #[prost(string, tag = "12")]
+        pub enforcement: String,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -286,6 +290,18 @@ pub mod pb {
         pub allocation: u64,
         #[prost(message, optional, tag = "2")]
         pub outcome: Option<TaskOutcome>,
+        #[prost(message, optional, tag = "3")]
+        pub usage: Option<TaskUsage>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct TaskUsage {
+        #[prost(uint64, tag = "1")]
+        pub cpu_ms: u64,
+        #[prost(uint64, tag = "2")]
+        pub peak_memory_bytes: u64,
+        #[prost(uint64, tag = "3")]
+        pub oom_kills: u64,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -534,6 +550,7 @@ fn spec_to(s: &state::JobSpec) -> pb::JobSpec {
         mig_profile: s.mig_profile.clone(),
         preemptible: s.preemptible,
         single_numa: s.single_numa,
+        workdir: s.workdir.clone(),
     }
 }
 
@@ -575,6 +592,7 @@ fn node_to(s: &state::NodeSpec) -> pb::NodeSpec {
         driver: s.driver.clone(),
         incarnation: s.incarnation.clone(),
         agent_release: s.agent_release.clone(),
+        enforcement: s.enforcement.clone(),
     }
 }
 
@@ -624,8 +642,14 @@ pub fn command_to(c: &Command) -> pb::Command {
         Command::AllocationExited {
             allocation,
             outcome,
+            usage,
         } => K::AllocationExited(pb::AllocationExited {
             allocation: *allocation,
+            usage: usage.map(|u| pb::TaskUsage {
+                cpu_ms: u.cpu_ms,
+                peak_memory_bytes: u.peak_memory_bytes,
+                oom_kills: u.oom_kills,
+            }),
             outcome: Some(pb::TaskOutcome {
                 outcome: Some(match outcome {
                     state::TaskOutcome::Succeeded => pb::Outcome::Succeeded(pb::Empty {}),
@@ -802,6 +826,7 @@ fn spec_from(s: pb::JobSpec) -> Result<state::JobSpec, String> {
         mig_profile: s.mig_profile,
         preemptible: s.preemptible,
         single_numa: s.single_numa,
+        workdir: s.workdir.clone(),
     })
 }
 
@@ -841,6 +866,7 @@ fn node_from(s: pb::NodeSpec) -> Result<state::NodeSpec, String> {
         driver: s.driver,
         incarnation: s.incarnation,
         agent_release: s.agent_release,
+        enforcement: s.enforcement,
     })
 }
 
@@ -895,6 +921,11 @@ pub fn command_from(c: pb::Command) -> Result<Command, String> {
                 pb::Outcome::Lost(reason) => state::TaskOutcome::Lost { reason },
                 pb::Outcome::Stopped(_) => state::TaskOutcome::Stopped,
             },
+            usage: e.usage.map(|u| state::TaskUsage {
+                cpu_ms: u.cpu_ms,
+                peak_memory_bytes: u.peak_memory_bytes,
+                oom_kills: u.oom_kills,
+            }),
         },
         K::PutTenant(t) => Command::PutTenant {
             tenant: state::Tenant {
@@ -1279,6 +1310,7 @@ mod tests {
         }];
         sick.partition = None;
         sick.agent_release = "0.2.0".into();
+        sick.enforcement = "cgroup v1: devices, memory, cpu, kill".into();
         sick.incarnation = "boot-1".into();
         let full = JobSpec {
             tenant: "ml".into(),
@@ -1312,6 +1344,7 @@ mod tests {
             mig_profile: Some("1g.10gb".into()),
             preemptible: true,
             single_numa: true,
+            workdir: Some("/home/ml/run".into()),
         };
         let token = TokenRecord {
             id: "0123456789abcdef".into(),
@@ -1359,6 +1392,11 @@ mod tests {
             Command::AllocationExited {
                 allocation: 9,
                 outcome: TaskOutcome::Succeeded,
+                usage: Some(crate::state::TaskUsage {
+                    cpu_ms: 1234,
+                    peak_memory_bytes: 5 << 20,
+                    oom_kills: 1,
+                }),
             },
             Command::AllocationExited {
                 allocation: 9,
@@ -1367,6 +1405,7 @@ mod tests {
                     signal: Some(9),
                     reason: "OOM".into(),
                 },
+                usage: None,
             },
             Command::AllocationExited {
                 allocation: 9,
@@ -1375,20 +1414,24 @@ mod tests {
                     signal: None,
                     reason: String::new(),
                 },
+                usage: None,
             },
             Command::AllocationExited {
                 allocation: 9,
                 outcome: TaskOutcome::TimedOut,
+                usage: None,
             },
             Command::AllocationExited {
                 allocation: 9,
                 outcome: TaskOutcome::Lost {
                     reason: "node lost".into(),
                 },
+                usage: None,
             },
             Command::AllocationExited {
                 allocation: 9,
                 outcome: TaskOutcome::Stopped,
+                usage: None,
             },
             Command::PutTenant {
                 tenant: Tenant {
@@ -1619,6 +1662,7 @@ mod tests {
                         Command::AllocationExited {
                             allocation,
                             outcome: TaskOutcome::Succeeded,
+                            usage: None,
                         }
                         .by(node_actor(
                             &state.allocations[&allocation].allocation.node,

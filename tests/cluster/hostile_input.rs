@@ -46,12 +46,6 @@ fn agent_api_as(
         .max_encoding_message_size(usize::MAX)
 }
 
-/// The leader's status, read from the leader itself.
-async fn leader_status(c: &LocalCluster) -> pb::ClusterStatusResponse {
-    let s = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
-    c.status(s.leader).await.unwrap()
-}
-
 /// Asserts that nothing reached the log and nothing changed: the leader's job and node
 /// counts are what they were, and its log grew by no more than the blank entry each new
 /// leader appends (on a loaded 2-core host an election can come at any time; each term has

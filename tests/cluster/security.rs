@@ -76,11 +76,6 @@ fn refusals(s: &pb::ClusterStatusResponse, name: &str) -> u64 {
         .map_or(0, |c| c.value)
 }
 
-async fn leader_status(c: &LocalCluster) -> pb::ClusterStatusResponse {
-    let s = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
-    c.status(s.leader).await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_without_a_valid_certificate_are_refused_at_the_handshake() {
     let c = start(3, &[]).await;

@@ -282,3 +282,23 @@ pub fn shell_job(gpus: i64, script: &str) -> pb::JobSpec {
 pub fn now_ms() -> u64 {
     control_plane::replica::now_ms()
 }
+
+/// The leader's status, read from the leader itself, once the cluster version is this
+/// binary's: a new cluster raises it with one log entry shortly after its first election, and
+/// tests that count the entries a request wrote start after that.
+pub async fn leader_status(c: &LocalCluster) -> pb::ClusterStatusResponse {
+    let deadline = tokio::time::Instant::now() + LEADER_TIMEOUT;
+    loop {
+        let s = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
+        if let Some(status) = c.status(s.leader).await
+            && u64::from(status.cluster_version) >= u64::from(control_plane::state::format::CURRENT)
+        {
+            return status;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cluster version was not raised within {LEADER_TIMEOUT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

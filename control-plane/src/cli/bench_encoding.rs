@@ -417,6 +417,8 @@ pub mod pb {
         pub archive_ms: u64,
         #[prost(uint64, tag = "4")]
         pub max_archived: u64,
+        #[prost(uint64, optional, tag = "5")]
+        pub limit: Option<u64>,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -711,7 +713,8 @@ pub fn command_to(c: &Command) -> pb::Command {
             victims: victims.clone(),
             reason: reason.clone(),
         }),
-        Command::CompactJobs { retention } => K::CompactJobs(pb::JobRetention {
+        Command::CompactJobs { retention, limit } => K::CompactJobs(pb::JobRetention {
+            limit: *limit,
             full_record_ms: retention.full_record_ms,
             max_full_records: retention.max_full_records,
             archive_ms: retention.archive_ms,
@@ -968,6 +971,7 @@ pub fn command_from(c: pb::Command) -> Result<Command, String> {
             reason: p.reason,
         },
         K::CompactJobs(r) => Command::CompactJobs {
+            limit: r.limit,
             retention: state::JobRetention {
                 full_record_ms: r.full_record_ms,
                 max_full_records: r.max_full_records,
@@ -1488,6 +1492,7 @@ mod tests {
                 reason: "priority".into(),
             },
             Command::CompactJobs {
+                limit: Some(50_000),
                 retention: JobRetention {
                     full_record_ms: 1,
                     max_full_records: 2,

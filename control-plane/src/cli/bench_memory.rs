@@ -559,7 +559,13 @@ fn build(
                 last_compaction_check = exit_at;
                 a.flush()?;
                 if a.sm.read().cluster.compaction_due(&retention, exit_at) {
-                    a.push(exit_at, Command::CompactJobs { retention })?;
+                    a.push(
+                        exit_at,
+                        Command::CompactJobs {
+                            retention,
+                            limit: None,
+                        },
+                    )?;
                 }
             }
         }

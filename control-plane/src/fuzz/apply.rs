@@ -365,6 +365,7 @@ impl Gen {
                 reason: r.string(8),
             },
             op::COMPACT_JOBS => Command::CompactJobs {
+                limit: [None, Some(0), Some(1), Some(3)][r.u8() as usize % 4],
                 retention: JobRetention {
                     full_record_ms: small(r, &[0, 1000, 3_600_000, u64::MAX]),
                     max_full_records: small(r, &[0, 1, 5, u64::MAX]),

@@ -116,7 +116,11 @@ impl ClusterState {
                 }
                 Err(r) => Outcome::Rejected(r),
             },
-            Command::CompactJobs { retention } => self.compact_jobs(retention, at),
+            Command::CompactJobs { retention, limit } => {
+                // Format 1 has no limit; a format-1 replica would compact everything due.
+                let limit = limit.filter(|_| self.cluster_version.allows(2));
+                self.compact_jobs(retention, limit, at)
+            }
             Command::Batch { .. } => Outcome::Rejected(Rejection::invalid(
                 "command",
                 "a batch cannot contain another batch",

@@ -145,6 +145,11 @@ pub enum Command {
     /// past theirs, as of the entry's leader time. Proposed periodically by the leader.
     CompactJobs {
         retention: JobRetention,
+        /// Most jobs one entry archives or forgets (format 2; `None`: all that are due). A
+        /// restored backup or a long-idle leader may find a million due at once, and applying
+        /// them in one entry stalls every replica for seconds: the leader proposes batches.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<u64>,
     },
     /// Several commands in one log entry (group commit): concurrent API writes share one Raft
     /// append, so one fsync on each replica. Applied in order, each as if it were its own
@@ -334,7 +339,7 @@ impl fmt::Display for Command {
             Command::Preempt {
                 for_job, victims, ..
             } => write!(f, "preempt for job={for_job} victims={victims:?}"),
-            Command::CompactJobs { retention } => write!(
+            Command::CompactJobs { retention, .. } => write!(
                 f,
                 "compact jobs full_record_ms={} max_full_records={} archive_ms={} max_archived={}",
                 retention.full_record_ms,

@@ -379,6 +379,9 @@ impl Driver {
             },
             Op::Compact(variant) => Command::CompactJobs {
                 retention: retention_variant(*variant),
+                // Batches of one and three, or everything due: the same end state once due
+                // compaction is repeated, and never more than the limit per entry.
+                limit: [None, Some(1), Some(3)][*variant as usize % 3],
             },
         }
     }

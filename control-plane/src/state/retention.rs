@@ -89,14 +89,21 @@ impl ClusterState {
             || self.index.dependents.contains_key(&id)
     }
 
-    /// Applies `CompactJobs`: archive, then forget, what `retention` no longer keeps as of `at`.
-    pub(super) fn compact_jobs(&mut self, retention: &JobRetention, at: Timestamp) -> Outcome {
+    /// Applies `CompactJobs`: archive, then forget, what `retention` no longer keeps as of `at`;
+    /// at most `limit` jobs in all (the oldest first), the rest left for the next entry.
+    pub(super) fn compact_jobs(
+        &mut self,
+        retention: &JobRetention,
+        limit: Option<u64>,
+        at: Timestamp,
+    ) -> Outcome {
+        let mut budget = limit.unwrap_or(u64::MAX);
         let full_cutoff = at.saturating_sub(retention.full_record_ms);
         let mut over_cap =
             (self.index.finished.len() as u64).saturating_sub(retention.max_full_records);
         let mut to_archive = Vec::new();
         for &(ended, id) in &self.index.finished {
-            if ended > full_cutoff && over_cap == 0 {
+            if (ended > full_cutoff && over_cap == 0) || budget == 0 {
                 break;
             }
             if self.pinned(id) {
@@ -104,6 +111,7 @@ impl ClusterState {
             }
             to_archive.push((ended, id));
             over_cap = over_cap.saturating_sub(1);
+            budget -= 1;
         }
         for (ended, id) in to_archive {
             self.index.finished.remove(&(ended, id));
@@ -117,9 +125,10 @@ impl ClusterState {
         let archive_cutoff = at.saturating_sub(retention.archive_ms);
         let mut over_cap = (self.archived.len() as u64).saturating_sub(retention.max_archived);
         while let Some(&(ended, id)) = self.index.archived_by_end.first() {
-            if ended > archive_cutoff && over_cap == 0 {
+            if (ended > archive_cutoff && over_cap == 0) || budget == 0 {
                 break;
             }
+            budget -= 1;
             self.index.archived_by_end.pop_first();
             over_cap = over_cap.saturating_sub(1);
             if let Some(a) = self.archived.remove(&id) {

@@ -17,7 +17,10 @@ fn short() -> JobRetention {
 
 impl Harness {
     fn compact(&mut self, retention: JobRetention) {
-        let applied = self.apply(Command::CompactJobs { retention });
+        let applied = self.apply(Command::CompactJobs {
+            retention,
+            limit: None,
+        });
         assert_eq!(applied.outcome, Outcome::Done);
         assert!(applied.changed_jobs.is_empty(), "{applied:?}");
     }
@@ -240,4 +243,51 @@ fn the_spec_fingerprint_is_stable_and_tells_specs_apart() {
         spec_fingerprint(&spec),
         spec_fingerprint(&job(1).tenant("other").spec())
     );
+}
+
+#[test]
+fn a_limited_compaction_takes_the_oldest_first_and_the_rest_in_later_entries() {
+    let mut h = Harness::fleet();
+    h.state.cluster_version = crate::state::format::ClusterVersion(2);
+    let ids: Vec<JobId> = (0..5)
+        .map(|i| {
+            h.wait(SECOND);
+            h.finished(job(1).name(&format!("j{i}")).spec(), TaskOutcome::Succeeded)
+        })
+        .collect();
+    h.wait(20 * SECOND);
+    let limited = |h: &mut Harness| {
+        let applied = h.apply(Command::CompactJobs {
+            retention: short(),
+            limit: Some(2),
+        });
+        assert_eq!(applied.outcome, Outcome::Done);
+    };
+    limited(&mut h);
+    let kept: Vec<bool> = ids.iter().map(|id| h.state.jobs.contains_key(id)).collect();
+    assert_eq!(
+        kept,
+        vec![false, false, true, true, true],
+        "the two oldest go first"
+    );
+    assert!(h.state.compaction_due(&short(), h.at));
+    limited(&mut h);
+    limited(&mut h);
+    assert!(ids.iter().all(|id| h.state.archived.contains_key(id)));
+    assert!(!h.state.compaction_due(&short(), h.at));
+}
+
+#[test]
+fn at_cluster_version_1_a_limit_is_ignored_as_a_format_1_replica_would() {
+    let mut h = Harness::fleet();
+    h.state.cluster_version = crate::state::format::ClusterVersion(1);
+    let ids: Vec<JobId> = (0..3)
+        .map(|_| h.finished(job(1).spec(), TaskOutcome::Succeeded))
+        .collect();
+    h.wait(20 * SECOND);
+    h.apply(Command::CompactJobs {
+        retention: short(),
+        limit: Some(1),
+    });
+    assert!(ids.iter().all(|id| h.state.archived.contains_key(id)));
 }

@@ -45,16 +45,29 @@ async fn a_job_opens_only_its_own_gpus_device_node_even_without_cuda_visible_dev
     let mut client = c.client().unwrap();
 
     step("the node registered what it enforces");
-    let (ok, out, _) = gpuctl(&c, &["nodes"]);
-    assert!(
-        ok && out.contains("ENFORCED") && out.contains("cgroup-v1"),
-        "{out}"
-    );
-    let node = &list_nodes(&mut client).await[0];
+    // A node that registered before the new cluster's version was raised (its first second)
+    // registers again at its next heartbeat after the raise, with its release and enforcement.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let node = loop {
+        let node = list_nodes(&mut client).await.remove(0);
+        if !node.enforcement.is_empty() {
+            break node;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node never reported what it enforces: {node:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert!(
         node.enforcement
             .starts_with("cgroup v1: devices, memory, cpu, kill"),
         "{node:?}"
+    );
+    let (ok, out, _) = gpuctl(&c, &["nodes"]);
+    assert!(
+        ok && out.contains("ENFORCED") && out.contains("cgroup-v1"),
+        "{out}"
     );
 
     step("a one-GPU job tries every GPU's device node, with CUDA_VISIBLE_DEVICES unset");

@@ -20,6 +20,7 @@ async fn stdout_of(client: &mut control_plane::client::Client, job: u64) -> Stri
                 pb::ReadJobLogsRequest {
                     job_id: job,
                     tail_bytes: 0,
+                    task: None,
                 },
                 t,
             ))

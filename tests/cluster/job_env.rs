@@ -36,6 +36,7 @@ async fn logs(client: &mut control_plane::client::Client, job: u64) -> (String, 
                 pb::ReadJobLogsRequest {
                     job_id: job,
                     tail_bytes: 0,
+                    task: None,
                 },
                 t,
             ))
@@ -116,7 +117,7 @@ async fn the_tasks_of_a_job_find_their_ranks_and_the_rendezvous_address() {
     let dir = tempfile::tempdir().unwrap();
     // 3 tasks of 4 GPUs on two 4-GPU hosts cannot fit; 2 tasks of 4 GPUs take one host each.
     let script = format!(
-        "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $SLURM_PROCID $SLURM_NTASKS $GPUCP_TASK_COUNT\" > {d}/rank-$RANK",
+        "echo task $RANK; echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $SLURM_PROCID $SLURM_NTASKS $GPUCP_TASK_COUNT\" > {d}/rank-$RANK",
         d = dir.path().display()
     );
     let job = pb::JobSpec {
@@ -128,6 +129,17 @@ async fn the_tasks_of_a_job_find_their_ranks_and_the_rendezvous_address() {
         j.state == "succeeded"
     })
     .await;
+    step("each task's own log: gpuctl logs --task N");
+    for rank in 0..2 {
+        let (ok, out, err) = gpuctl(&c, &["logs", &id.to_string(), "--task", &rank.to_string()]);
+        assert!(ok, "{err}");
+        assert_eq!(out.trim(), format!("task {rank}"), "task {rank}'s log");
+    }
+    let (ok, _, err) = gpuctl(&c, &["logs", &id.to_string(), "--task", "2"]);
+    assert!(
+        !ok && err.contains("ran 2 task(s): give a task from 0 to 1"),
+        "{err}"
+    );
     let port = 20_000 + id % 12_000;
     for rank in 0..2 {
         let line = std::fs::read_to_string(dir.path().join(format!("rank-{rank}")))

@@ -248,6 +248,7 @@ async fn each_service_takes_certificates_of_its_own_role_only() {
         .read_logs(pa::ReadLogsRequest {
             job_id: 1,
             tail_bytes: 0,
+            allocation_id: 0,
         })
         .await
         .unwrap_err();
@@ -465,6 +466,7 @@ async fn a_user_token_stays_inside_its_tenant() {
                 pb::ReadJobLogsRequest {
                     job_id: theirs,
                     tail_bytes: 0,
+                    task: None,
                 },
                 t,
             ))

@@ -108,18 +108,45 @@ fn job_tenant(cluster: &ClusterState, id: u64) -> Option<&str> {
         .or_else(|| cluster.archived.get(&id).map(|a| a.tenant()))
 }
 
-/// The node that runs `job`, or ran it last (its history names each placement).
-fn node_of(job: &Job, cluster: &ClusterState) -> Option<String> {
-    cluster
+/// The node that ran (or runs) task `task` of `job`, and that task's allocation while it
+/// is live: live allocations in id order (the order RANK numbers them), else the nodes of
+/// the job's last placement ("placed on a,b").
+fn task_of(job: &Job, cluster: &ClusterState, task: usize) -> Result<(String, u64), Rejection> {
+    let mut live: Vec<(u64, String)> = cluster
         .allocations_of(job.id)
-        .map(|r| r.allocation.node.clone())
-        .next()
-        .or_else(|| {
-            job.history.iter().rev().find_map(|h| {
-                h.reason
-                    .strip_prefix("placed on ")
-                    .map(|n| n.split(',').next().unwrap_or(n).to_owned())
-            })
+        .map(|r| (r.allocation.id, r.allocation.node.clone()))
+        .collect();
+    live.sort();
+    let placed: Vec<String> = job
+        .history
+        .iter()
+        .rev()
+        .find_map(|h| h.reason.strip_prefix("placed on "))
+        .map(|nodes| nodes.split(',').map(str::to_owned).collect())
+        .unwrap_or_default();
+    let tasks = live.len().max(placed.len());
+    if tasks == 0 {
+        return Err(Rejection::precondition(format!(
+            "job {} has not run anywhere yet (state {})",
+            job.id,
+            job.state.as_str()
+        )));
+    }
+    if let Some((id, node)) = live.get(task) {
+        return Ok((node.clone(), *id));
+    }
+    placed
+        .get(task)
+        .map(|node| (node.clone(), 0))
+        .ok_or_else(|| {
+            Rejection::invalid(
+                "task",
+                format!(
+                    "job {} ran {tasks} task(s): give a task from 0 to {}",
+                    job.id,
+                    tasks - 1
+                ),
+            )
         })
 }
 
@@ -927,7 +954,7 @@ impl ControlPlane for ControlPlaneService {
             |caller, req| async move {
                 caller.require(Action::ReadLogs)?;
                 read_barrier(r, &None).await?;
-                let (node, channel) = {
+                let (node, allocation_id, channel) = {
                     let data = r.sm.read();
                     let cluster = &data.cluster;
                     let tenant = job_tenant(cluster, req.job_id)
@@ -939,20 +966,16 @@ impl ControlPlane for ControlPlaneService {
                             req.job_id
                         ))
                     })?;
-                    let node = node_of(job, cluster).ok_or_else(|| {
-                        Rejection::precondition(format!(
-                            "job {} has not run anywhere yet (state {})",
-                            req.job_id,
-                            job.state.as_str()
-                        ))
-                    })?;
+                    let task = req.task.unwrap_or(0) as usize;
+                    let (node, allocation_id) = task_of(job, cluster, task)?;
                     let channel = agent_channel(r, cluster, &node)?;
-                    (node, channel)
+                    (node, allocation_id, channel)
                 };
                 let mut agent = proto::agent::node_agent_client::NodeAgentClient::new(channel);
                 let mut call = Request::new(proto::agent::ReadLogsRequest {
                     job_id: req.job_id,
                     tail_bytes: req.tail_bytes,
+                    allocation_id,
                 });
                 call.set_timeout(std::time::Duration::from_secs(10));
                 let logs = agent

@@ -129,6 +129,9 @@ pub enum Command {
         /// Only the last N bytes of each stream.
         #[arg(long, default_value_t = 0)]
         tail: u64,
+        /// The task (as RANK numbers them) whose logs to show.
+        #[arg(long, default_value_t = 0)]
+        task: u32,
     },
     /// Replicas, leader, term and log indexes; add or remove replicas; back up and restore.
     Cluster {
@@ -436,7 +439,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Cluster { command } => cluster(&mut client, command, fmt).await?,
         Command::Node { command } => node::run(&mut client, command, fmt).await?,
-        Command::Logs { job, tail } => node::logs(&mut client, job, tail).await?,
+        Command::Logs { job, tail, task } => node::logs(&mut client, job, tail, task).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Accounting(args) => accounting::run(&mut client, args, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,

@@ -90,13 +90,14 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
     Ok(())
 }
 
-pub async fn logs(client: &mut Client, job: u64, tail: u64) -> anyhow::Result<()> {
+pub async fn logs(client: &mut Client, job: u64, tail: u64, task: u32) -> anyhow::Result<()> {
     let resp = client
         .call(|mut c, t| async move {
             c.read_job_logs(with_timeout(
                 pb::ReadJobLogsRequest {
                     job_id: job,
                     tail_bytes: tail,
+                    task: Some(task),
                 },
                 t,
             ))

@@ -82,13 +82,26 @@ impl NodeAgent for NodeAgentService {
         let req = request.into_inner();
         let (allocation, paths) = {
             let st = self.agent.lock();
-            let Some(alloc) = st.job_allocations.get(&req.job_id).copied() else {
-                return Err(Status::not_found(format!(
-                    "job {} has not run on node {}",
-                    req.job_id, self.agent.config.name
-                )));
-            };
-            (alloc, st.runtime.log_paths(alloc))
+            // A replica names the task's allocation while it is live (it checked the caller
+            // and that the allocation is the job's); otherwise the job's latest here.
+            if req.allocation_id != 0 {
+                let paths = st.runtime.log_paths(req.allocation_id);
+                if !paths.0.exists() && !paths.1.exists() {
+                    return Err(Status::not_found(format!(
+                        "allocation {} of job {} left no logs on node {}",
+                        req.allocation_id, req.job_id, self.agent.config.name
+                    )));
+                }
+                (req.allocation_id, paths)
+            } else {
+                let Some(alloc) = st.job_allocations.get(&req.job_id).copied() else {
+                    return Err(Status::not_found(format!(
+                        "job {} has not run on node {}",
+                        req.job_id, self.agent.config.name
+                    )));
+                };
+                (alloc, st.runtime.log_paths(alloc))
+            }
         };
         Ok(Response::new(pa::ReadLogsResponse {
             stdout: tail(&paths.0, req.tail_bytes)?,

@@ -151,3 +151,43 @@ async fn the_tasks_of_a_job_find_their_ranks_and_the_rendezvous_address() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_tasks_log_is_read_from_its_own_allocation() {
+    let c = start_with_agents(&[
+        ("n1", "a100-pcie-4gpu-nvlink-pairs"),
+        ("n2", "a100-pcie-4gpu-nvlink-pairs"),
+    ])
+    .await;
+    let mut client = c.client().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("release");
+    let script = format!(
+        "echo running task $RANK; touch {d}/up-$RANK; while [ ! -e {r} ]; do sleep 0.05; done",
+        d = dir.path().display(),
+        r = release.display()
+    );
+    let job = pb::JobSpec {
+        tasks: 2,
+        ..shell_job(4, &script)
+    };
+    let id = submit(&mut client, job, "").await.unwrap().id;
+    let deadline = std::time::Instant::now() + JOB_TIMEOUT;
+    while !(dir.path().join("up-0").exists() && dir.path().join("up-1").exists()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tasks never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for rank in 0..2 {
+        let (ok, out, err) = gpuctl(&c, &["logs", &id.to_string(), "--task", &rank.to_string()]);
+        assert!(ok, "{err}");
+        assert_eq!(out.trim(), format!("running task {rank}"));
+    }
+    std::fs::write(&release, "").unwrap();
+    wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+}

@@ -202,7 +202,20 @@ async fn a_killed_agents_job_moves_only_after_its_lease_and_never_runs_twice() {
     );
 
     step("the first copy stopped (fenced by its shim) before the second started, after the lease");
-    let lines = std::fs::read_to_string(&m).unwrap();
+    // "running" is reported once the command is started; its first line follows.
+    let started = format!("start {} ", second.id);
+    let deadline = std::time::Instant::now() + JOB_TIMEOUT;
+    let lines = loop {
+        let lines = std::fs::read_to_string(&m).unwrap();
+        if lines.lines().any(|l| l.starts_with(&started)) {
+            break lines;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second copy never wrote its start:\n{lines}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let at = |what: &str, alloc: u64| -> u64 {
         lines
             .lines()

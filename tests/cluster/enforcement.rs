@@ -6,30 +6,11 @@
 
 use std::time::Duration;
 
-use control_plane::client::with_timeout;
 use proto::v1 as pb;
 
 use crate::util::*;
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(30);
-
-async fn stdout_of(client: &mut control_plane::client::Client, job: u64) -> String {
-    let logs = client
-        .call(|mut c, t| async move {
-            c.read_job_logs(with_timeout(
-                pb::ReadJobLogsRequest {
-                    job_id: job,
-                    tail_bytes: 0,
-                    task: None,
-                },
-                t,
-            ))
-            .await
-        })
-        .await
-        .expect("reading the job's logs");
-    String::from_utf8_lossy(&logs.stdout).into_owned()
-}
 
 fn is_root() -> bool {
     // SAFETY: geteuid has no arguments and cannot fail.
@@ -85,7 +66,7 @@ async fn a_job_opens_only_its_own_gpus_device_node_even_without_cuda_visible_dev
     .await;
     let usage = done.usage.expect("usage measured by the job's cgroup");
     assert!(usage.cpu_ms > 0 || usage.peak_memory_bytes > 0, "{usage:?}");
-    let out = stdout_of(&mut client, id).await;
+    let out = job_logs(&mut client, id).await.0;
     let mine_uuid = out
         .lines()
         .find_map(|l| l.strip_prefix("mine "))

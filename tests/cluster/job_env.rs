@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use control_plane::client::with_timeout;
 use proto::v1 as pb;
 
 use crate::util::*;
@@ -27,27 +26,6 @@ fn submit_from(c: &TestCluster, cwd: &std::path::Path, args: &[&str], script: &s
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     v["id"].as_u64().unwrap()
-}
-
-async fn logs(client: &mut control_plane::client::Client, job: u64) -> (String, String) {
-    let l = client
-        .call(|mut c, t| async move {
-            c.read_job_logs(with_timeout(
-                pb::ReadJobLogsRequest {
-                    job_id: job,
-                    tail_bytes: 0,
-                    task: None,
-                },
-                t,
-            ))
-            .await
-        })
-        .await
-        .unwrap();
-    (
-        String::from_utf8_lossy(&l.stdout).into_owned(),
-        String::from_utf8_lossy(&l.stderr).into_owned(),
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,14 +58,14 @@ async fn a_job_starts_in_the_submitters_directory_or_its_chdir() {
         .await;
     }
     assert_eq!(
-        logs(&mut client, a).await.0.trim(),
+        job_logs(&mut client, a).await.0.trim(),
         here.path().display().to_string()
     );
     assert_eq!(
-        logs(&mut client, b).await.0.trim(),
+        job_logs(&mut client, b).await.0.trim(),
         there.path().display().to_string()
     );
-    let (out, err) = logs(&mut client, d).await;
+    let (out, err) = job_logs(&mut client, d).await;
     assert!(
         err.contains("working directory /nonexistent/dir does not exist on this host"),
         "{err}"

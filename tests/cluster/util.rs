@@ -319,3 +319,25 @@ pub async fn leader_status(c: &LocalCluster) -> pb::ClusterStatusResponse {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A job's (stdout, stderr), through the control plane (task 0's).
+pub async fn job_logs(client: &mut Client, job: u64) -> (String, String) {
+    let l = client
+        .call(|mut c, t| async move {
+            c.read_job_logs(with_timeout(
+                pb::ReadJobLogsRequest {
+                    job_id: job,
+                    tail_bytes: 0,
+                    task: None,
+                },
+                t,
+            ))
+            .await
+        })
+        .await
+        .expect("reading the job's logs");
+    (
+        String::from_utf8_lossy(&l.stdout).into_owned(),
+        String::from_utf8_lossy(&l.stderr).into_owned(),
+    )
+}

@@ -118,7 +118,7 @@ pub async fn rollout(
 ) -> RolloutReport {
     let started = Instant::now();
     let mut report = RolloutReport {
-        checked: run_all(client, nodes, CHECK_CONCURRENCY, timeout, true, |_| {}).await,
+        checked: check_all(client, nodes, timeout).await,
         ..RolloutReport::default()
     };
     if check_only || report.failures().next().is_some() {
@@ -148,18 +148,11 @@ pub async fn rollout(
     report
 }
 
-async fn run_all(
-    client: &Client,
-    nodes: &[String],
-    concurrency: usize,
-    timeout: Duration,
-    check_only: bool,
-    mut on_done: impl FnMut(&NodeRestart),
-) -> Vec<NodeRestart> {
+/// Checks every node, [`CHECK_CONCURRENCY`] at a time; the results in node order.
+async fn check_all(client: &Client, nodes: &[String], timeout: Duration) -> Vec<NodeRestart> {
     let mut out: Vec<NodeRestart> = futures::stream::iter(nodes.iter().cloned())
-        .map(|n| restart_one(client.clone(), n, timeout, check_only))
-        .buffer_unordered(concurrency)
-        .inspect(|r| on_done(r))
+        .map(|n| restart_one(client.clone(), n, timeout, true))
+        .buffer_unordered(CHECK_CONCURRENCY)
         .collect()
         .await;
     out.sort_by(|a, b| a.node.cmp(&b.node));

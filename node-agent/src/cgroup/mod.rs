@@ -49,7 +49,7 @@ pub struct Usage {
 
 /// What was actually enforced on an allocation, for `gpuctl show` and the node's
 /// registration: a hierarchy that cannot do something says so rather than pretend.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Enforced {
     pub hierarchy: String,
     pub devices: bool,
@@ -253,14 +253,6 @@ impl AllocationCgroup {
             .collect()
     }
 
-    /// Moves process `pid` (all its threads) into the cgroup.
-    pub fn add(&self, pid: u32) -> io::Result<()> {
-        for f in self.procs_files() {
-            write(&f, &pid.to_string())?;
-        }
-        Ok(())
-    }
-
     /// The processes in the cgroup now.
     pub fn pids(&self) -> io::Result<Vec<u32>> {
         let dir = self.freezer.as_ref().unwrap_or(&self.dirs[0]);
@@ -305,7 +297,9 @@ impl AllocationCgroup {
                     ),
                 ));
             }
-            self.wait_empty_briefly();
+            // Killed processes leave the cgroup as they exit: a moment before the list is
+            // read again (not a synchronisation: the loop re-checks).
+            let _ = self.wait_empty(std::time::Instant::now() + Duration::from_millis(100));
         }
     }
 
@@ -343,17 +337,6 @@ impl AllocationCgroup {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
-    }
-
-    /// Killed processes leave the cgroup as they exit; give them a moment before the list
-    /// is read again (a poll interval, not a synchronisation: the loop re-checks).
-    fn wait_empty_briefly(&self) {
-        for _ in 0..100 {
-            if self.pids().map(|p| p.is_empty()).unwrap_or(true) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
     }
 
     /// CPU time, peak memory and OOM kills so far.

@@ -171,11 +171,9 @@ pub(crate) struct AllocationRecord {
     pub stop: Option<StopRequest>,
     pub kill_sent_at_ms: Option<u64>,
     pub exit: Option<RecordedExit>,
-    /// The allocation's cgroup, created before its shim, and what it enforces.
+    /// The allocation's cgroup, created before its shim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<crate::cgroup::AllocationCgroup>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub enforced: Option<crate::cgroup::Enforced>,
 }
 
 impl AllocationRecord {
@@ -190,7 +188,6 @@ impl AllocationRecord {
             kill_sent_at_ms: None,
             exit: None,
             cgroup: None,
-            enforced: None,
         }
     }
 

@@ -172,7 +172,6 @@ impl Runtime {
                 })?;
             tracing::debug!(allocation = id, enforced = %enforced.describe(), "cgroup created");
             record.cgroup = Some(cg);
-            record.enforced = Some(enforced);
         }
         if let Err(e) = self.log.put(&record) {
             self.remove_cgroup(&record);

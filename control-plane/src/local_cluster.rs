@@ -742,4 +742,11 @@ pub fn kill_workloads(agent_state_dir: &Path) {
             }
         }
     }
+    // A container job's processes are the engine's children, not the shim's.
+    let runtime_dir = agent_state_dir.join("runtime");
+    let had_containers = std::fs::read_to_string(runtime_dir.join("allocations.log"))
+        .is_ok_and(|log| log.contains("\"container\""));
+    if had_containers {
+        node_agent::runtime::container_runner::remove_all_of_blocking(None, &runtime_dir);
+    }
 }

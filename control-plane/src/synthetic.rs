@@ -25,6 +25,7 @@ pub fn node_from_preset(
     Ok(NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
+        container_runtime: String::new(),
         name: host.to_owned(),
         gpus: inv
             .gpus

@@ -21,12 +21,21 @@ struct Cli {
 
 fn main() -> ExitCode {
     let mut args = std::env::args_os().skip(1);
-    if args.next().is_some_and(|first| first == "shim") {
+    let first = args.next();
+    let entry: Option<fn(Vec<String>) -> i32> = match first.as_ref().and_then(|f| f.to_str()) {
+        Some("shim") => Some(node_agent::runtime::shim_main),
+        // A container job's runner: the command its shim supervises.
+        Some(node_agent::runtime::container::RUNNER_SUBCOMMAND) => {
+            Some(node_agent::runtime::container_runner::runner_main)
+        }
+        _ => None,
+    };
+    if let Some(entry) = entry {
         let rest: Result<Vec<String>, _> = args.map(|a| a.into_string()).collect();
         let code = match rest {
-            Ok(rest) => node_agent::runtime::shim_main(rest),
+            Ok(rest) => entry(rest),
             Err(bad) => {
-                eprintln!("node-agent shim: argument {bad:?} is not valid UTF-8");
+                eprintln!("node-agent: argument {bad:?} is not valid UTF-8");
                 2
             }
         };

@@ -28,6 +28,7 @@ fn config(state_dir: &Path) -> RuntimeConfig {
         fence_grace: GRACE,
         cgroups: None,
         driver_majors: Default::default(),
+        containers: None,
     }
 }
 
@@ -49,6 +50,7 @@ fn spec(id: u64, gpus: &[&str], work: &Path, script: &str) -> LaunchSpec {
         gpu_minors: Vec::new(),
         workdir: None,
         numa_node: None,
+        container: None,
     }
 }
 

@@ -7,6 +7,7 @@ mod agents;
 mod backup;
 mod bad_input;
 mod basic;
+mod containers;
 mod enforcement;
 mod failover;
 mod hostile_input;

@@ -194,16 +194,22 @@ pub async fn start_with_agent_program(
     agents: &[(&str, &str)],
     program: (PathBuf, Vec<String>),
 ) -> TestCluster {
+    start_with_agent_args(agents, program, &[]).await
+}
+
+/// [`start_with_agent_program`], every agent also given `extra_args`.
+pub async fn start_with_agent_args(
+    agents: &[(&str, &str)],
+    program: (PathBuf, Vec<String>),
+    extra_args: &[&str],
+) -> TestCluster {
     let mut c = describe(3, &FAST_LEASES);
     c.agent_program = Some(program);
     let ports = free_ports(agents.len()).expect("ports");
+    let mut args = vec!["--stop-grace-secs", "1", "--fence-grace-ms", "500"];
+    args.extend_from_slice(extra_args);
     for ((name, preset), port) in agents.iter().zip(ports) {
-        c.add_agent(
-            name,
-            preset,
-            port,
-            &["--stop-grace-secs", "1", "--fence-grace-ms", "500"],
-        );
+        c.add_agent(name, preset, port, &args);
     }
     c.start_all().expect("starting replicas");
     c.wait_for_leader(LEADER_TIMEOUT).await.expect("a leader");

@@ -68,6 +68,7 @@ pub fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
     NodeSpec {
         agent_release: req.agent_release,
         enforcement: req.enforcement,
+        container_runtime: req.container_runtime,
         name: req.name,
         gpus: req
             .gpus
@@ -196,6 +197,18 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                 task_count: u32::try_from(task_hosts.len()).unwrap_or(u32::MAX),
                 task_hosts,
                 task_nodes,
+                container: job.spec.container.as_ref().map(|c| pa::WorkloadContainer {
+                    image: c.image.clone(),
+                    mounts: c
+                        .mounts
+                        .iter()
+                        .map(|m| pa::WorkloadMount {
+                            source: m.source.clone(),
+                            target: m.target.clone(),
+                            read_only: m.read_only,
+                        })
+                        .collect(),
+                }),
             })
         })
         .collect();

@@ -76,6 +76,18 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
         preemptible: spec.preemptible,
         single_numa: spec.single_numa,
         workdir: non_empty(spec.workdir),
+        container: spec.container.map(|c| state::ContainerSpec {
+            image: c.image,
+            mounts: c
+                .mounts
+                .into_iter()
+                .map(|m| state::ContainerMount {
+                    source: m.source,
+                    target: m.target,
+                    read_only: m.read_only,
+                })
+                .collect(),
+        }),
     })
 }
 
@@ -111,6 +123,18 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
         preemptible: spec.preemptible,
         single_numa: spec.single_numa,
         workdir: spec.workdir.clone().unwrap_or_default(),
+        container: spec.container.as_ref().map(|c| pb::ContainerSpec {
+            image: c.image.clone(),
+            mounts: c
+                .mounts
+                .iter()
+                .map(|m| pb::ContainerMount {
+                    source: m.source.clone(),
+                    target: m.target.clone(),
+                    read_only: m.read_only,
+                })
+                .collect(),
+        }),
     }
 }
 
@@ -151,7 +175,7 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
                 enforcement: cluster
                     .nodes
                     .get(&r.allocation.node)
-                    .map(|n| n.spec.enforcement.clone())
+                    .map(|n| allocation_enforcement(&job.spec, &n.spec))
                     .unwrap_or_default(),
                 ..allocation_to_proto(&r.allocation)
             })
@@ -175,6 +199,9 @@ pub fn redact_job(job: &mut pb::Job) {
         spec.name.clear();
         spec.command.clear();
         spec.env.clear();
+        // Image names and mounted paths say as much about the work as its command.
+        spec.container = None;
+        spec.workdir.clear();
     }
     job.idempotency_key.clear();
     job.redacted = true;
@@ -251,6 +278,19 @@ pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
         topology: node.spec.topology.iter().map(|row| row.join(" ")).collect(),
         agent_release: node.spec.agent_release.clone(),
         enforcement: node.spec.enforcement.clone(),
+        container_runtime: node.spec.container_runtime.clone(),
+    }
+}
+
+/// What was enforced on a job's allocation on a node: the node's cgroups, and for a
+/// container job the engine whose device cgroup confines it to its GPUs' nodes.
+fn allocation_enforcement(job: &JobSpec, node: &state::NodeSpec) -> String {
+    match &job.container {
+        Some(c) if !node.enforcement.is_empty() => format!(
+            "{}; container {} on {} (devices: only its GPUs' nodes are in the container)",
+            node.enforcement, c.image, node.container_runtime
+        ),
+        _ => node.enforcement.clone(),
     }
 }
 
@@ -332,6 +372,7 @@ pub fn registration_from_spec(spec: &state::NodeSpec) -> proto::agent::RegisterN
         agent_release: crate::state::format::RELEASE.to_owned(),
         // They start no process, so there is nothing to confine.
         enforcement: "unenforced: a simulated host in process, with no workloads".into(),
+        container_runtime: String::new(),
     }
 }
 
@@ -377,6 +418,14 @@ mod tests {
             preemptible: true,
             single_numa: true,
             workdir: Some("/home/ml/run-7".into()),
+            container: Some(crate::state::ContainerSpec {
+                image: "registry.example/ml/trainer:1.4".into(),
+                mounts: vec![crate::state::ContainerMount {
+                    source: "/data/imagenet".into(),
+                    target: "/data".into(),
+                    read_only: true,
+                }],
+            }),
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

@@ -6,9 +6,13 @@ fn main() {
     // `gpuctl shim ...` is the workload supervisor of `gpuctl agent` (simulated hosts of
     // `gpuctl dev`); its arguments end with the workload's own command, so no flag parsing.
     let mut args = std::env::args().skip(1);
-    if args.next().as_deref() == Some("shim") {
-        let code = node_agent::runtime::shim_main(args.collect());
-        std::process::exit(code);
+    match args.next().as_deref() {
+        Some("shim") => std::process::exit(node_agent::runtime::shim_main(args.collect())),
+        // A container job's runner (the shim's command), likewise.
+        Some(node_agent::runtime::container::RUNNER_SUBCOMMAND) => std::process::exit(
+            node_agent::runtime::container_runner::runner_main(args.collect()),
+        ),
+        _ => {}
     }
     let cli = control_plane::cli::Cli::parse();
     if let Err(e) = control_plane::cli::main(cli) {

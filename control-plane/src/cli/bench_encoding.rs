@@ -830,6 +830,8 @@ fn spec_from(s: pb::JobSpec) -> Result<state::JobSpec, String> {
         preemptible: s.preemptible,
         single_numa: s.single_numa,
         workdir: s.workdir.clone(),
+        // The mirror measures the fields every job has; containers are not in its sample.
+        container: None,
     })
 }
 
@@ -870,6 +872,7 @@ fn node_from(s: pb::NodeSpec) -> Result<state::NodeSpec, String> {
         incarnation: s.incarnation,
         agent_release: s.agent_release,
         enforcement: s.enforcement,
+        container_runtime: String::new(),
     })
 }
 
@@ -1349,6 +1352,7 @@ mod tests {
             preemptible: true,
             single_numa: true,
             workdir: Some("/home/ml/run".into()),
+            container: None,
         };
         let token = TokenRecord {
             id: "0123456789abcdef".into(),

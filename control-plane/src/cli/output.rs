@@ -112,6 +112,13 @@ pub fn job_json(j: &pb::Job) -> Value {
         "cpu_milli_per_task": spec.cpu_milli_per_task,
         "memory_mib_per_task": spec.memory_mib_per_task,
         "env": spec.env,
+        "workdir": if spec.workdir.is_empty() { Value::Null } else { json!(spec.workdir) },
+        "container": spec.container.as_ref().map(|c| json!({
+            "image": c.image,
+            "mounts": c.mounts.iter().map(|m| json!({
+                "source": m.source, "target": m.target, "read_only": m.read_only,
+            })).collect::<Vec<_>>(),
+        })),
         "idempotency_key": j.idempotency_key,
         "submitted_at_ms": j.submitted_at_ms,
         "version": j.version,
@@ -198,6 +205,23 @@ pub fn job_details(j: &pb::Job) -> String {
     } else {
         kv("Name:", printable(&spec.name));
         kv("Command:", printable(&spec.command.join(" ")));
+        if !spec.workdir.is_empty() {
+            kv("Workdir:", printable(&spec.workdir));
+        }
+        if let Some(c) = &spec.container {
+            kv("Container:", printable(&c.image));
+            for m in &c.mounts {
+                kv(
+                    "Mount:",
+                    printable(&format!(
+                        "{} -> {}{}",
+                        m.source,
+                        m.target,
+                        if m.read_only { " (read-only)" } else { "" }
+                    )),
+                );
+            }
+        }
     }
     kv(
         "Resources:",
@@ -298,6 +322,7 @@ pub fn node_json(n: &pb::Node) -> Value {
         "registered_at_ms": n.registered_at_ms,
         "agent_release": if n.agent_release.is_empty() { Value::Null } else { json!(n.agent_release) },
         "enforcement": if n.enforcement.is_empty() { Value::Null } else { json!(n.enforcement) },
+        "container_runtime": if n.container_runtime.is_empty() { Value::Null } else { json!(n.container_runtime) },
         "gpus": n.gpus.iter().map(|g| json!({
             "uuid": g.uuid, "index": g.index, "model": g.model, "memory_mib": g.memory_mib,
             "numa_node": if g.numa_node < 0 { Value::Null } else { json!(g.numa_node) },
@@ -349,7 +374,12 @@ pub fn nodes_table(nodes: &[pb::Node], control_plane_release: Option<&str>) -> S
                     Some(cp) => agent_cell(&n.agent_release, cp),
                     None => crate::release::agent_release_text(&n.agent_release),
                 },
-                enforcement_cell(&n.enforcement),
+                if n.container_runtime.is_empty() {
+                    enforcement_cell(&n.enforcement)
+                } else {
+                    // The node also runs container jobs.
+                    format!("{}+docker", enforcement_cell(&n.enforcement))
+                },
             ]
         })
         .collect();

@@ -77,6 +77,14 @@ pub struct SubmitArgs {
     /// All GPUs of a task must sit on one NUMA node (otherwise only preferred).
     #[arg(long)]
     pub single_numa: bool,
+    /// Run each task in a container of this image, through the GPU hosts' container engine,
+    /// with exactly its GPUs' device nodes; only nodes with an engine take the job.
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// With --image: bind-mount a host path, SRC:DST[:ro] (repeatable). The node must allow
+    /// SRC (its agent's --container-mount-prefix).
+    #[arg(long = "mount", value_name = "SRC:DST[:ro]", requires = "image")]
+    pub mounts: Vec<String>,
     /// Dependencies: afterok:ID[:ID...],afterany:ID,afternotok:ID.
     #[arg(long, short = 'd')]
     pub dependency: Option<String>,
@@ -90,6 +98,26 @@ pub struct SubmitArgs {
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// `--mount SRC:DST[:ro]` (`:rw` also accepted) as the API takes it.
+fn parse_mount(text: &str) -> anyhow::Result<pb::ContainerMount> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let (source, target, read_only) = match parts.as_slice() {
+        [source, target] => (*source, *target, false),
+        [source, target, "ro"] => (*source, *target, true),
+        [source, target, "rw"] => (*source, *target, false),
+        _ => bail!("--mount {text:?} is not SRC:DST or SRC:DST:ro"),
+    };
+    let source = std::path::absolute(source).with_context(|| format!("--mount {text}"))?;
+    Ok(pb::ContainerMount {
+        source: source
+            .to_str()
+            .with_context(|| format!("--mount {text}: the source is not UTF-8"))?
+            .to_owned(),
+        target: target.to_owned(),
+        read_only,
+    })
 }
 
 /// A key unique enough for one client's retries: time, process id and a counter.
@@ -149,10 +177,24 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
             .map(|c| c.rsplit('/').next().unwrap_or(c).to_owned())
             .unwrap_or_default()
     });
+    let container = match &args.image {
+        Some(image) => Some(pb::ContainerSpec {
+            image: image.clone(),
+            mounts: args
+                .mounts
+                .iter()
+                .map(|m| parse_mount(m))
+                .collect::<anyhow::Result<_>>()?,
+        }),
+        None => None,
+    };
     let workdir = match args.chdir {
+        Some(dir) if container.is_some() => dir,
         Some(dir) => {
             std::path::absolute(&dir).with_context(|| format!("--chdir {}", dir.display()))?
         }
+        // A container starts in its image's directory: the submitter's is not in it.
+        None if container.is_some() => PathBuf::new(),
         None => std::env::current_dir().context("finding the current directory (give --chdir)")?,
     };
     let workdir = workdir
@@ -180,6 +222,7 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
             preemptible: args.preemptible,
             single_numa: args.single_numa,
             workdir,
+            container,
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })

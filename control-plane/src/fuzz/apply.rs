@@ -493,6 +493,7 @@ impl Gen {
             preemptible: r.bool(),
             single_numa: r.chance(32),
             workdir: None,
+            container: None,
         }
     }
 

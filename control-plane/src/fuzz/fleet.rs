@@ -123,6 +123,7 @@ pub fn node_spec(k: usize) -> NodeSpec {
     NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
+        container_runtime: String::new(),
         name: name.into(),
         gpus,
         cpu_milli: 64_000,

@@ -99,6 +99,7 @@ fn record(id: u64, stop: bool, exit: Option<ExitKind>) -> Value {
         memory_mib: 0,
         gpu_minors: Vec::new(),
         workdir: None,
+        container: None,
         numa_node: None,
     };
     json!({
@@ -180,6 +181,7 @@ fn config(state: &Path) -> RuntimeConfig {
         fence_grace: Duration::from_secs(2),
         cgroups: None,
         driver_majors: Default::default(),
+        containers: None,
     }
 }
 

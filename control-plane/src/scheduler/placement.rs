@@ -30,6 +30,8 @@ pub struct Shape {
     pub models: Vec<String>,
     pub partition: Option<String>,
     pub single_numa: bool,
+    /// Runs in a container: only nodes with a container engine hold it.
+    pub container: bool,
 }
 
 impl Shape {
@@ -47,6 +49,7 @@ impl Shape {
             models,
             partition: spec.partition.clone(),
             single_numa: spec.single_numa,
+            container: spec.container.is_some(),
         }
     }
 
@@ -136,6 +139,9 @@ pub fn evaluate_node(
     if let Some(p) = &shape.partition
         && node.spec.partition.as_deref() != Some(p.as_str())
     {
+        return None;
+    }
+    if shape.container && node.spec.container_runtime.is_empty() {
         return None;
     }
     if free.cpu_milli < shape.cpu_milli || free.memory_mib < shape.memory_mib {

@@ -299,6 +299,7 @@ fn node_spec(i: usize, g: &NodeGen) -> NodeSpec {
     NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
+        container_runtime: String::new(),
         name,
         gpus,
         cpu_milli: if g.big_host { 128_000 } else { 32_000 },
@@ -1331,6 +1332,7 @@ fn build_queue_state(c: &QueueCase) -> Sim {
     let spec = NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
+        container_runtime: String::new(),
         name: "big".into(),
         gpus: (0..16)
             .map(|k| Gpu {
@@ -1740,6 +1742,7 @@ fn plain_node(name: &str, gpus: u32, rack: Option<&str>) -> NodeSpec {
     NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
+        container_runtime: String::new(),
         name: name.into(),
         gpus: (0..gpus)
             .map(|k| Gpu {

@@ -62,6 +62,7 @@ impl World {
         let spec = NodeSpec {
             agent_release: String::new(),
             enforcement: String::new(),
+            container_runtime: String::new(),
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
@@ -390,6 +391,7 @@ impl World {
         let spec = NodeSpec {
             agent_release: String::new(),
             enforcement: String::new(),
+            container_runtime: String::new(),
             name: name.into(),
             gpus,
             cpu_milli: 64_000,

@@ -577,6 +577,7 @@ mod tests {
             let spec = NodeSpec {
                 agent_release: String::new(),
                 enforcement: String::new(),
+                container_runtime: String::new(),
                 name: format!("n{n}"),
                 gpus: (0..gpus)
                     .map(|i| Gpu {

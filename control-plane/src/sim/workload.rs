@@ -191,6 +191,7 @@ pub fn trace_nodes(path: &Path) -> anyhow::Result<Vec<NodeSpec>> {
         nodes.push(NodeSpec {
             agent_release: String::new(),
             enforcement: String::new(),
+            container_runtime: String::new(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
                     uuid: format!("GPU-{name}-{i}"),

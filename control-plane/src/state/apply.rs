@@ -521,6 +521,7 @@ impl ClusterState {
             // Format 1 has no such field; a format-1 replica would not keep it.
             spec.agent_release.clear();
             spec.enforcement.clear();
+            spec.container_runtime.clear();
         }
         let drained = self.nodes.get(&spec.name).is_some_and(|n| n.drained);
         if let Some(old) = self.nodes.get(&spec.name) {

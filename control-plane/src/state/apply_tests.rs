@@ -27,6 +27,7 @@ fn node(name: &str, gpus: u32, model: &str) -> NodeBuilder {
         spec: NodeSpec {
             agent_release: String::new(),
             enforcement: String::new(),
+            container_runtime: String::new(),
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {

@@ -247,6 +247,8 @@ impl Command {
                 .max()
                 .unwrap_or(format::LEGACY),
             Command::Attributed { command, .. } => command.introduced_in(),
+            // Format 1 has no container: stripping it would run the job outside one.
+            Command::SubmitJob { spec, .. } if spec.container.is_some() => 2,
             _ => format::LEGACY,
         }
     }

@@ -149,6 +149,9 @@ pub fn hardware_class(spec: &NodeSpec) -> u64 {
         0xffu8.hash(&mut h);
     }
     spec.topology.hash(&mut h);
+    // Whether it runs containers: container jobs fit only where it does, so two nodes that
+    // differ in it are not interchangeable for placement.
+    spec.container_runtime.is_empty().hash(&mut h);
     h.finish()
 }
 

@@ -47,6 +47,7 @@ fn fleet_node(k: usize) -> NodeSpec {
     NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
+        container_runtime: String::new(),
         name: name.into(),
         gpus: (0..count)
             .map(|i| Gpu {

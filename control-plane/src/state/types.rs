@@ -92,6 +92,10 @@ pub struct NodeSpec {
     /// or "unenforced: REASON"; empty when not reported. Format 2, as `agent_release`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub enforcement: String,
+    /// The container engine the node runs container jobs with ("docker 20.10.24
+    /// (cgroupfs)"); empty: none, so container jobs are not placed on it. Format 2.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub container_runtime: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,6 +162,26 @@ pub struct JobSpec {
     /// version is 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workdir: Option<String>,
+    /// Run every task in a container of this image on a node with a container engine.
+    /// Format 2: refused while the cluster version is 1 (never run outside its container).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ContainerSpec>,
+}
+
+/// A job's container: its image and the host paths mounted into it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ContainerSpec {
+    pub image: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<ContainerMount>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ContainerMount {
+    pub source: String,
+    pub target: String,
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 /// Milli-GPU per whole GPU: quotas, fair share and shares are all counted in milli-GPU.

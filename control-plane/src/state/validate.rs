@@ -3,7 +3,9 @@
 //! change the state, whoever proposed it).
 
 use super::command::Rejection;
-use super::types::{JobSpec, MILLI_PER_GPU, NodeSpec, Partition, Tenant, mig_compute_slices};
+use super::types::{
+    ContainerSpec, JobSpec, MILLI_PER_GPU, NodeSpec, Partition, Tenant, mig_compute_slices,
+};
 
 /// The most GPUs any host can have (HGX-2 class boards carry 16).
 pub const MAX_GPUS_PER_NODE: u32 = 16;
@@ -88,10 +90,70 @@ fn validate_workdir(dir: &str) -> Result<(), Rejection> {
     Ok(())
 }
 
+/// Longest image reference accepted (registry host, path, tag and digest together).
+const MAX_IMAGE_LEN: usize = 512;
+/// Most bind mounts one container job may ask for.
+const MAX_MOUNTS: usize = 32;
+
+fn validate_container(c: &ContainerSpec) -> Result<(), Rejection> {
+    if c.image.is_empty() || c.image.len() > MAX_IMAGE_LEN {
+        return Err(Rejection::invalid(
+            "image",
+            format!("must be 1 to {MAX_IMAGE_LEN} bytes"),
+        ));
+    }
+    if let Some(bad) = c
+        .image
+        .chars()
+        .find(|ch| !(ch.is_ascii_alphanumeric() || "._-/:@".contains(*ch)))
+    {
+        return Err(Rejection::invalid(
+            "image",
+            format!(
+                "{} holds {bad:?}; an image reference is like registry.example/team/trainer:1.4",
+                shown(&c.image)
+            ),
+        ));
+    }
+    if c.mounts.len() > MAX_MOUNTS {
+        return Err(Rejection::invalid(
+            "mounts",
+            format!("more than {MAX_MOUNTS}"),
+        ));
+    }
+    for m in &c.mounts {
+        for (what, path) in [("source", &m.source), ("target", &m.target)] {
+            let fine = path.starts_with('/')
+                && path.len() <= MAX_WORKDIR_LEN
+                && !path.contains(['\0', ':'])
+                && !path.split('/').any(|part| part == "..");
+            if !fine {
+                return Err(Rejection::invalid(
+                    "mounts",
+                    format!(
+                        "{what} {} must be an absolute path without `..` or ':'",
+                        shown(path)
+                    ),
+                ));
+            }
+        }
+        if m.target.trim_end_matches('/').is_empty() {
+            return Err(Rejection::invalid(
+                "mounts",
+                "a mount cannot replace the container's root directory",
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
     validate_name("tenant", &spec.tenant)?;
     if let Some(dir) = &spec.workdir {
         validate_workdir(dir)?;
+    }
+    if let Some(c) = &spec.container {
+        validate_container(c)?;
     }
     if spec.name.len() > MAX_NAME_LEN {
         return Err(Rejection::invalid(

@@ -63,6 +63,23 @@ pub struct AgentArgs {
     /// as unenforced and say why), require (refuse to start without them), off (unenforced).
     #[arg(long, value_enum, default_value = "auto")]
     pub cgroups: super::CgroupMode,
+    /// Container jobs (`gpuctl submit --image`) through the local Docker engine: auto (where
+    /// the engine answers at start-up; otherwise the node takes process jobs only), require
+    /// (refuse to start without it), off.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub containers: super::containers::ContainerMode,
+    /// The container engine's Unix socket (default: DOCKER_HOST, else /var/run/docker.sock).
+    #[arg(long, value_name = "PATH")]
+    pub container_socket: Option<String>,
+    /// A host directory under which container jobs may mount paths (`--mount SRC:DST`);
+    /// repeatable. None given: container jobs may mount nothing (a mount of / would hand a
+    /// job the host).
+    #[arg(long = "container-mount-prefix", value_name = "DIR")]
+    pub container_mount_prefixes: Vec<PathBuf>,
+    /// When to pull an image the host lacks: missing (pull it), never (the job fails, for
+    /// hosts whose images are loaded beforehand).
+    #[arg(long, value_enum, default_value = "missing")]
+    pub image_pull: crate::runtime::container::PullPolicy,
     /// Milliseconds between SIGTERM and SIGKILL when the agent fences itself (lease expired);
     /// must be shorter than the control plane's node grace.
     #[arg(long, default_value_t = 2000)]
@@ -227,6 +244,12 @@ impl AgentArgs {
                 transport,
                 reexec: None,
                 cgroups: self.cgroups,
+                containers: super::containers::ContainerOptions {
+                    mode: self.containers,
+                    socket: self.container_socket,
+                    mount_prefixes: self.container_mount_prefixes,
+                    pull: self.image_pull,
+                },
             },
             backend,
             simulated,

@@ -15,6 +15,7 @@
 //! - GPU events: classify Xids, report health, stop what ran on a failed GPU.
 
 pub mod cli;
+pub mod containers;
 pub mod control;
 pub mod reconcile;
 pub mod restart;
@@ -68,6 +69,7 @@ pub struct AgentConfig {
     /// inside another program (tests), which then cannot restart it.
     pub reexec: Option<restart::Reexec>,
     pub cgroups: CgroupMode,
+    pub containers: containers::ContainerOptions,
 }
 
 /// Whether allocations get cgroups of their own (`--cgroups`).
@@ -203,6 +205,8 @@ pub struct Agent {
     /// What this node enforces on its allocations ("cgroup v1: devices, memory, cpu, cpuset"),
     /// or "unenforced: why"; sent with every registration.
     enforcement: String,
+    /// The container engine jobs run in ("docker 20.10.24 (cgroupfs)"); empty: none.
+    container_runtime: String,
     /// Registrations so far. The assignment stream opens after the first: a registration
     /// drops the sets received before it, so a stream opened earlier would leave the agent
     /// without a set (not ready) until the leader re-sends it a second later.
@@ -291,6 +295,7 @@ impl Agent {
             incarnation: self.incarnation.clone(),
             agent_release: RELEASE.to_owned(),
             enforcement: self.enforcement.clone(),
+            container_runtime: self.container_runtime.clone(),
         }
     }
 
@@ -382,7 +387,10 @@ impl Agent {
                         // The assignment itself cannot be run (e.g. a share of two GPUs): it
                         // would fail the same way on any node, so the job fails rather than
                         // being requeued for ever.
-                        Err(e @ crate::runtime::RuntimeError::InvalidSpec { .. }) => {
+                        Err(
+                            e @ (crate::runtime::RuntimeError::InvalidSpec { .. }
+                            | crate::runtime::RuntimeError::Container { .. }),
+                        ) => {
                             tracing::warn!(allocation = a.allocation_id, error = %e, "launch refused");
                             st.finished.insert(a.allocation_id);
                             let reason = format!("node {} cannot run it: {e}", self.config.name);
@@ -573,6 +581,7 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
         gpu_minors: gpu_minors(inventory, &a.gpus),
         workdir: (!a.workdir.is_empty()).then(|| PathBuf::from(&a.workdir)),
         numa_node: shared_numa_node(inventory, &a.gpus),
+        container: a.container.as_ref().map(container_spec),
     }
 }
 
@@ -633,6 +642,22 @@ fn shared_numa_node(inventory: &HostInventory, uuids: &[String]) -> Option<u32> 
 }
 
 /// The device minors (`/dev/nvidiaN`) of `uuids`: a GPU's index, a MIG slice's parent's.
+/// The runtime's form of an assignment's container.
+fn container_spec(c: &pa::WorkloadContainer) -> crate::runtime::container::ContainerSpec {
+    crate::runtime::container::ContainerSpec {
+        image: c.image.clone(),
+        mounts: c
+            .mounts
+            .iter()
+            .map(|m| crate::runtime::container::Mount {
+                source: PathBuf::from(&m.source),
+                target: PathBuf::from(&m.target),
+                read_only: m.read_only,
+            })
+            .collect(),
+    }
+}
+
 fn gpu_minors(inventory: &HostInventory, uuids: &[String]) -> Vec<u32> {
     let mut minors: Vec<u32> = uuids
         .iter()
@@ -756,6 +781,16 @@ pub async fn run(
         Some(_) => simulated_device_nodes(&config.state_dir.join("dev"), &inventory),
         None => None,
     };
+    // The runner is a subcommand of the agent's own program (the dedicated shim binary
+    // holds only the shim).
+    let runner_program = std::env::current_exe().context("finding the agent's own executable")?;
+    let container_runtime = containers::setup_containers(
+        &config.containers,
+        runner_program,
+        Vec::new(),
+        device_dir.clone().unwrap_or_else(|| PathBuf::from("/dev")),
+    )
+    .await?;
     let driver_majors = crate::cgroup::devices::DriverMajors::parse(
         &std::fs::read_to_string("/proc/devices").unwrap_or_default(),
     );
@@ -768,6 +803,7 @@ pub async fn run(
         fence_grace: config.fence_grace,
         cgroups,
         driver_majors,
+        containers: container_runtime.clone(),
     })
     .context("opening the workload runtime")?;
     let readopted = runtime.live();
@@ -801,6 +837,7 @@ pub async fn run(
         restart_requested: std::sync::atomic::AtomicBool::new(false),
         registrations: tokio::sync::watch::Sender::new(0),
         enforcement,
+        container_runtime: container_runtime.map(|c| c.description).unwrap_or_default(),
         device_dir,
     });
     let transport = agent.config.transport.clone();

@@ -134,6 +134,16 @@ impl Cgroups {
         }
     }
 
+    pub fn is_v2(&self) -> bool {
+        matches!(self.hierarchy, Hierarchy::V2 { .. })
+    }
+
+    /// Allocation `name`'s cgroup relative to the hierarchy's root (`/gpucp/node.1a2b/alloc-7`):
+    /// what a container engine with the cgroupfs driver takes as a container's parent.
+    pub fn relative_path(&self, name: &str) -> PathBuf {
+        Path::new("/").join(&self.parent).join(name)
+    }
+
     pub fn hierarchy(&self) -> &Hierarchy {
         &self.hierarchy
     }
@@ -253,10 +263,20 @@ impl AllocationCgroup {
             .collect()
     }
 
-    /// The processes in the cgroup now.
+    /// The processes in the cgroup now, its child cgroups' included (a container engine
+    /// creates the container's cgroup under the allocation's).
     pub fn pids(&self) -> io::Result<Vec<u32>> {
         let dir = self.freezer.as_ref().unwrap_or(&self.dirs[0]);
-        read_pids(&dir.join("cgroup.procs"))
+        let mut pids = read_pids(&dir.join("cgroup.procs"))?;
+        for child in descendants(dir) {
+            match read_pids(&child.join("cgroup.procs")) {
+                Ok(more) => pids.extend(more),
+                // Removed meanwhile (the engine cleaning up after its container).
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(pids)
     }
 
     /// Stops every process of the allocation, whatever its session or process group: frozen
@@ -348,10 +368,14 @@ impl AllocationCgroup {
         }
     }
 
-    /// Removes the (empty) cgroup; a directory already gone is fine.
+    /// Removes the (empty) cgroup, child cgroups first; a directory already gone is fine.
     pub fn remove(&self) -> io::Result<()> {
-        for d in &self.dirs {
-            match std::fs::remove_dir(d) {
+        let all = self
+            .dirs
+            .iter()
+            .flat_map(|d| descendants(d).into_iter().chain([d.clone()]));
+        for d in all {
+            match std::fs::remove_dir(&d) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => {
@@ -387,6 +411,22 @@ pub fn join_current_process(files: &[std::ffi::CString]) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Every cgroup below `dir`, deepest first (the order they can be removed in).
+fn descendants(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            let child = entry.path();
+            out.extend(descendants(&child));
+            out.push(child);
+        }
+    }
+    out
 }
 
 fn write(path: &Path, value: &str) -> io::Result<()> {

@@ -274,6 +274,7 @@ mod tests {
             gpu_minors: Vec::new(),
             workdir: None,
             numa_node: None,
+            container: None,
         }
     }
 
@@ -490,6 +491,7 @@ mod tests {
                     gpu_minors: Vec::new(),
                     workdir: None,
                     numa_node: None,
+                    container: None,
                     ..share_spec(500, 100)
                 },
             ),

@@ -15,13 +15,17 @@
 //! - `journal.rs`: the GPU usage journal and its overlap checker;
 //! - `ledger.rs`: the rule both the launch check and the checker apply: whole GPUs, shares of a
 //!   GPU (CUDA MPS) and MIG slices, and which of them may overlap;
-//! - `process.rs`: `/proc`, signal and `waitpid` helpers.
+//! - `process.rs`: `/proc`, signal and `waitpid` helpers;
+//! - `container.rs`: what a container job becomes on the host (devices, limits, name);
+//!   `container_runner.rs`: the process that runs it through the engine's API.
 //!
 //! Process model: `agent ─spawn→ shim (session + process group leader) ─spawn→ command`.
 //! The shim outlives the agent and writes the command's exit status to an exit file; the
 //! runtime finds its processes again from per-allocation records (pid + start time), kept
 //! in one append-only log.
 
+pub mod container;
+pub mod container_runner;
 mod env;
 mod journal;
 mod ledger;

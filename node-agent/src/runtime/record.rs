@@ -74,6 +74,12 @@ impl Layout {
     pub(crate) fn stdout_log(&self, id: u64) -> PathBuf {
         self.log_dir(id).join("stdout")
     }
+    /// Written by a container job's runner when the engine says the container was killed
+    /// for its memory limit: the kill happened in the container's own cgroup, which the
+    /// engine removes with it, so the allocation's cgroup never counts it (cgroup v1).
+    pub(crate) fn container_oom_marker(&self, id: u64) -> PathBuf {
+        self.log_dir(id).join("container-oom")
+    }
     pub(crate) fn stderr_log(&self, id: u64) -> PathBuf {
         self.log_dir(id).join("stderr")
     }
@@ -474,6 +480,7 @@ mod tests {
             gpu_minors: Vec::new(),
             workdir: None,
             numa_node: None,
+            container: None,
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = Some(4242);

@@ -438,6 +438,7 @@ mod tests {
             gpu_minors: Vec::new(),
             workdir: None,
             numa_node: None,
+            container: None,
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = pid;

@@ -136,6 +136,8 @@ impl Runtime {
             return Err(RuntimeError::AlreadyKnown(id));
         }
         self.check_gpus_free(&spec)?;
+        // A container this host cannot run is refused before anything is written.
+        self.check_container(&spec)?;
 
         let log_dir = self.layout.log_dir(id);
         fs::create_dir_all(&log_dir).map_err(|source| RuntimeError::Io {
@@ -178,18 +180,28 @@ impl Runtime {
             return Err(e);
         }
 
+        let command = match self.container_command(&record) {
+            Ok(command) => command,
+            Err(e) => {
+                self.remove_cgroup(&record);
+                let _ = self.log.forget(id);
+                return Err(e);
+            }
+        };
         let shim_args = ShimArgs {
             await_go: true,
             exit_file: self.layout.exit_file(id),
             stdout: stdout_log,
             stderr: stderr_log,
-            command: record.spec.command.clone(),
+            command,
             lease_file: self.config.lease_file.clone(),
             fence_grace: self.config.fence_grace,
             cgroup: record.cgroup.clone(),
         };
         let env = command_env(&record.spec, |key| std::env::var(key).ok());
         let workdir = match &record.spec.workdir {
+            // A container's directory is inside it; its runner works in the scratch one.
+            _ if record.spec.container.is_some() => log_dir.clone(),
             Some(dir) if dir.is_dir() => dir.clone(),
             Some(dir) => {
                 // Slurm's habit: run anyway, where the job can write, and say so.
@@ -484,6 +496,123 @@ impl Runtime {
         self.layout.journal()
     }
 
+    /// Refuses a container job this host cannot run: no engine, or a mount outside what
+    /// the node allows.
+    fn check_container(&self, spec: &LaunchSpec) -> Result<(), RuntimeError> {
+        let Some(container) = &spec.container else {
+            return Ok(());
+        };
+        let refuse = |message: String| RuntimeError::Container {
+            allocation: spec.allocation_id,
+            message,
+        };
+        let Some(engine) = &self.config.containers else {
+            return Err(refuse(
+                "this node has no container engine (its agent found none at start-up)".into(),
+            ));
+        };
+        super::container::check_mounts(&container.mounts, &engine.mount_prefixes).map_err(refuse)
+    }
+
+    /// What the shim runs for `record`: the job's command, or for a container job the
+    /// container runner with the container's whole description.
+    fn container_command(&self, record: &AllocationRecord) -> Result<Vec<String>, RuntimeError> {
+        let spec = &record.spec;
+        let (Some(container), Some(engine)) = (&spec.container, &self.config.containers) else {
+            return Ok(spec.command.clone());
+        };
+        let mut env = command_env(spec, |_| None);
+        if !spec.env.contains_key("PATH") {
+            // The image's own PATH, not the host's default.
+            env.remove("PATH");
+        }
+        if env.contains_key("GPUCP_DEVICE_DIR") {
+            env.insert("GPUCP_DEVICE_DIR".into(), "/dev".into());
+        }
+        let mut mounts = container.mounts.clone();
+        // Shares of a GPU reach its MPS daemon through the pipe directory.
+        if let Some(pipes) = env.get("CUDA_MPS_PIPE_DIRECTORY").map(PathBuf::from)
+            && pipes.is_dir()
+        {
+            mounts.push(super::container::Mount {
+                source: pipes.clone(),
+                target: pipes,
+                read_only: false,
+            });
+        }
+        // With the engine's cgroupfs driver on v1, the container's cgroup sits under the
+        // allocation's, which then limits, measures and kills it; otherwise the container
+        // carries the limits itself.
+        let cgroup_parent = self
+            .config
+            .cgroups
+            .as_ref()
+            .filter(|cg| engine.cgroupfs_driver && !cg.is_v2() && record.cgroup.is_some())
+            .map(|cg| cg.relative_path(&cgroup_name(spec.allocation_id)));
+        let own = |v: Option<u64>| v.filter(|_| cgroup_parent.is_none());
+        let limits = cgroup_limits(spec, self.config.driver_majors);
+        let runner = super::container::RunnerSpec {
+            name: super::container::container_name(&self.config.state_dir, spec.allocation_id),
+            socket: engine.socket.clone(),
+            image: container.image.clone(),
+            pull: engine.pull,
+            command: spec.command.clone(),
+            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            workdir: spec.workdir.as_ref().map(|d| d.display().to_string()),
+            devices: super::container::container_devices(
+                &engine.device_dir,
+                &spec.gpu_minors,
+                |p| p.exists(),
+            ),
+            mounts,
+            memory_bytes: own(limits.memory_bytes),
+            nano_cpus: own(limits.cpu_milli.map(|m| m * 1_000_000)),
+            cpuset_cpus: limits.cpus.filter(|_| cgroup_parent.is_none()),
+            cpuset_mems: limits.mems.filter(|_| cgroup_parent.is_none()),
+            cgroup_parent: cgroup_parent.map(|p| p.display().to_string()),
+            shm_bytes: super::container::shm_bytes(spec.memory_mib),
+            labels: [
+                ("gpucp.job".to_string(), spec.job_id.to_string()),
+                (
+                    "gpucp.allocation".to_string(),
+                    spec.allocation_id.to_string(),
+                ),
+                ("gpucp.tenant".to_string(), spec.tenant.clone()),
+                // Which agent owns it, where several share one engine.
+                (
+                    "gpucp.state-dir".to_string(),
+                    self.config.state_dir.display().to_string(),
+                ),
+            ]
+            .into(),
+            oom_marker: Some(self.layout.container_oom_marker(spec.allocation_id)),
+        };
+        let json = serde_json::to_string(&runner).map_err(|e| RuntimeError::Container {
+            allocation: spec.allocation_id,
+            message: format!("cannot encode the container spec: {e}"),
+        })?;
+        let mut command = vec![engine.runner_program.display().to_string()];
+        command.extend(engine.runner_args.iter().cloned());
+        command.extend([
+            super::container::RUNNER_SUBCOMMAND.to_string(),
+            "--spec".into(),
+            json,
+        ]);
+        Ok(command)
+    }
+
+    /// Removes the container of a container job (what a killed runner left); a no-op for
+    /// process jobs and for containers already removed.
+    fn remove_container(&self, spec: &LaunchSpec) {
+        let (Some(_), Some(engine)) = (&spec.container, &self.config.containers) else {
+            return;
+        };
+        super::container_runner::remove_blocking(
+            engine.socket.clone(),
+            super::container::container_name(&self.config.state_dir, spec.allocation_id),
+        );
+    }
+
     /// Undoes a launch whose shim was spawned but not released: the command never ran, so
     /// killing the shim (alone in its new group) and forgetting the record leaves no trace.
     fn abort_launch(&mut self, id: u64, mut child: Child) {
@@ -716,14 +845,26 @@ impl Runtime {
         };
         let mut kind = classify(&entry.record, exit.as_ref(), &fate);
         let at_ms = exit.map_or(now, |e| e.at_ms);
+        if entry.record.spec.container.is_some() {
+            let spec = entry.record.spec.clone();
+            self.remove_container(&spec);
+        }
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return;
+        };
         let usage = entry.record.cgroup.as_ref().map(|cg| {
             if let Err(e) = cg.kill_all() {
                 tracing::error!(allocation = id, error = %e, "cannot empty the allocation's cgroup");
             }
             cg.usage()
         });
-        if let Some(u) = usage
-            && u.oom_kills > 0
+        let container_oom =
+            entry.record.spec.container.is_some() && self.layout.container_oom_marker(id).exists();
+        let usage = usage.map(|mut u| {
+            u.oom_kills = u.oom_kills.max(u64::from(container_oom));
+            u
+        });
+        if (container_oom || usage.is_some_and(|u| u.oom_kills > 0))
             && matches!(kind, ExitKind::Signaled { .. } | ExitKind::Exited { code: i32::MIN..=-1 | 1.. })
         {
             kind = ExitKind::OutOfMemory {
@@ -787,11 +928,13 @@ fn cgroup_limits(
         cpu_milli: (spec.cpu_milli > 0).then_some(spec.cpu_milli),
         cpus: numa_cpus.as_ref().map(|(cpus, _)| cpus.clone()),
         mems: numa_cpus.map(|(_, node)| node),
-        devices: Some(crate::cgroup::devices::allocation_rules(
-            &spec.gpu_minors,
-            &[],
-            majors,
-        )),
+        // A container's devices are confined by the engine's own device cgroup, a child of
+        // this one (on v1 a child may never allow more than its parent, and the engine's
+        // default rules include `c *:* m`).
+        devices: spec
+            .container
+            .is_none()
+            .then(|| crate::cgroup::devices::allocation_rules(&spec.gpu_minors, &[], majors)),
     }
 }
 
@@ -877,6 +1020,7 @@ mod tests {
             fence_grace: Duration::from_secs(1),
             cgroups: None,
             driver_majors: Default::default(),
+            containers: None,
         }
     }
 
@@ -897,6 +1041,7 @@ mod tests {
             gpu_minors: Vec::new(),
             workdir: None,
             numa_node: None,
+            container: None,
         }
     }
 

@@ -67,6 +67,10 @@ pub struct LaunchSpec {
     /// cgroup's cpuset is pinned to that node's CPUs and memory where the host has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa_node: Option<u32>,
+    /// Run the command in a container of this image (through the host's container engine)
+    /// instead of as a process of the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<super::container::ContainerSpec>,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -173,6 +177,8 @@ pub struct RuntimeConfig {
     pub cgroups: Option<crate::cgroup::Cgroups>,
     /// Majors of the NVIDIA driver's dynamic devices, for the cgroups' device rules.
     pub driver_majors: crate::cgroup::devices::DriverMajors,
+    /// How this host runs container jobs (`None`: it does not, and refuses them).
+    pub containers: Option<super::container::ContainerRuntime>,
 }
 
 impl RuntimeConfig {
@@ -193,6 +199,7 @@ impl RuntimeConfig {
             fence_grace: DEFAULT_FENCE_GRACE,
             cgroups: None,
             driver_majors: Default::default(),
+            containers: None,
         })
     }
 }
@@ -233,6 +240,8 @@ pub enum RuntimeError {
     StillRunning(u64),
     #[error("launch spec of allocation {allocation} is invalid: {message}")]
     InvalidSpec { allocation: u64, message: String },
+    #[error("allocation {allocation} cannot run its container here: {message}")]
+    Container { allocation: u64, message: String },
     #[error("could not {action} {}: {source}", path.display())]
     Io {
         action: &'static str,

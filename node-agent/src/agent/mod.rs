@@ -103,6 +103,9 @@ fn setup_enforcement(
         Ok(c) => {
             let line = c.capabilities();
             tracing::info!(enforcement = %line, "each allocation gets a cgroup of its own");
+            if let Err(why) = c.devices_enforced() {
+                tracing::warn!(reason = %why, "device nodes are NOT confined on this host: a job can open every GPU's device node, whatever CUDA_VISIBLE_DEVICES says");
+            }
             Ok((Some(c), line))
         }
         Err(e) if mode == CgroupMode::Require => anyhow::bail!(

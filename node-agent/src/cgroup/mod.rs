@@ -15,6 +15,7 @@
 
 pub mod device_program;
 pub mod devices;
+pub mod mig_caps;
 pub mod mounts;
 mod v1;
 mod v2;

@@ -272,6 +272,7 @@ mod tests {
             cpu_milli: 0,
             memory_mib: 0,
             gpu_minors: Vec::new(),
+            mig_cap_minors: Vec::new(),
             workdir: None,
             numa_node: None,
         }
@@ -488,6 +489,7 @@ mod tests {
                     cpu_milli: 0,
                     memory_mib: 0,
                     gpu_minors: Vec::new(),
+                    mig_cap_minors: Vec::new(),
                     workdir: None,
                     numa_node: None,
                     ..share_spec(500, 100)

@@ -789,7 +789,7 @@ fn cgroup_limits(
         mems: numa_cpus.map(|(_, node)| node),
         devices: Some(crate::cgroup::devices::allocation_rules(
             &spec.gpu_minors,
-            &[],
+            &spec.mig_cap_minors,
             majors,
         )),
     }
@@ -895,6 +895,7 @@ mod tests {
             cpu_milli: 0,
             memory_mib: 0,
             gpu_minors: Vec::new(),
+            mig_cap_minors: Vec::new(),
             workdir: None,
             numa_node: None,
         }

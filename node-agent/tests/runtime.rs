@@ -48,6 +48,7 @@ fn spec(id: u64, gpus: &[&str], work: &Path, script: &str) -> LaunchSpec {
         cpu_milli: 0,
         memory_mib: 0,
         gpu_minors: Vec::new(),
+        mig_cap_minors: Vec::new(),
         workdir: None,
         numa_node: None,
         container: None,

@@ -1,6 +1,7 @@
 //! Enforced isolation on real agents (simulated GPUs with real device nodes, real processes,
 //! the host's real cgroup hierarchy): a job opens only its own GPU's device node, even with
-//! `CUDA_VISIBLE_DEVICES` unset; a cancelled job leaves nothing behind, even a process that
+//! `CUDA_VISIBLE_DEVICES` unset, and a job on a MIG slice only its slice's capability nodes;
+//! a cancelled job leaves nothing behind, even a process that
 //! left its session; `--mem` is a hard limit reported as "out of memory"; and the node says
 //! what it enforces.
 
@@ -101,6 +102,95 @@ async fn a_job_opens_only_its_own_gpus_device_node_even_without_cuda_visible_dev
                 .any(|l| l.starts_with("nvidiactl") && l.contains("not permitted")),
         "{out}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_on_a_mig_slice_opens_its_slices_capability_nodes_and_no_other() {
+    if !is_root() {
+        eprintln!("creating cgroups and device nodes needs root; not run");
+        return;
+    }
+    // One GPU cut into four slices: the simulated host makes dev/nvidia-caps/nvidia-capN
+    // for each slice's GPU instance and compute instance, and a driver table saying which.
+    let c = start_with_agents(&[("m1", "h100-pcie-1gpu-mig")]).await;
+    let mut client = c.client().unwrap();
+    let inventory = node_agent::gpu::GpuBackend::inventory(
+        &node_agent::gpu::simulated::SimulatedBackend::from_preset("h100-pcie-1gpu-mig", "m1")
+            .unwrap(),
+    )
+    .unwrap();
+    let table = node_agent::cgroup::mig_caps::MigMinors::parse(
+        &node_agent::cgroup::mig_caps::driver_table(1),
+    );
+
+    step("a 1g.10gb job tries every capability node, and its parent GPU's node");
+    let script = "echo \"mine $CUDA_VISIBLE_DEVICES\"; \
+                  for f in $GPUCP_DEVICE_DIR/nvidia-caps/nvidia-cap*; do echo \"$(basename $f) $(cat $f 2>&1 </dev/null)\"; done; \
+                  echo \"nvidia0 $(cat $GPUCP_DEVICE_DIR/nvidia0 2>&1 </dev/null)\"";
+    let id = submit(
+        &mut client,
+        pb::JobSpec {
+            mig_profile: "1g.10gb".into(),
+            ..shell_job(1, script)
+        },
+        "",
+    )
+    .await
+    .unwrap()
+    .id;
+    wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+    let out = job_logs(&mut client, id).await.0;
+    let mine = out
+        .lines()
+        .find_map(|l| l.strip_prefix("mine "))
+        .expect("the job printed its slice");
+    let slice = inventory.gpus[0]
+        .mig_instances
+        .iter()
+        .find(|m| m.uuid == mine)
+        .unwrap_or_else(|| panic!("{mine} is not a slice of the host: {out}"));
+    let own = table
+        .access(
+            0,
+            slice.gpu_instance_id.unwrap(),
+            slice.compute_instance_id.unwrap(),
+        )
+        .unwrap();
+    let caps: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("nvidia-cap"))
+        .collect();
+    assert_eq!(
+        caps.len(),
+        8,
+        "two nodes for each of the four slices: {out}"
+    );
+    for line in caps {
+        let minor: u32 = line["nvidia-cap".len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        if own.contains(&minor) {
+            assert!(
+                line.contains("No such device"),
+                "its own slice's capability node must pass the cgroup: {line}"
+            );
+        } else {
+            assert!(
+                line.contains("Operation not permitted"),
+                "another slice's capability node must be refused: {line}"
+            );
+        }
+    }
+    let parent = out
+        .lines()
+        .find(|l| l.starts_with("nvidia0 "))
+        .expect("the parent GPU's line");
+    assert!(parent.contains("No such device"), "{parent}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -98,6 +98,7 @@ fn record(id: u64, stop: bool, exit: Option<ExitKind>) -> Value {
         cpu_milli: 0,
         memory_mib: 0,
         gpu_minors: Vec::new(),
+        mig_cap_minors: Vec::new(),
         workdir: None,
         container: None,
         numa_node: None,

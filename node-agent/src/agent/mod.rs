@@ -17,6 +17,7 @@
 pub mod cli;
 pub mod containers;
 pub mod control;
+mod devices;
 pub mod reconcile;
 pub mod restart;
 mod service;
@@ -105,6 +106,9 @@ fn setup_enforcement(
         Ok(c) => {
             let line = c.capabilities();
             tracing::info!(enforcement = %line, "each allocation gets a cgroup of its own");
+            if let Err(why) = c.devices_enforced() {
+                tracing::warn!(reason = %why, "device nodes are NOT confined on this host: a job can open every GPU's device node, whatever CUDA_VISIBLE_DEVICES says");
+            }
             Ok((Some(c), line))
         }
         Err(e) if mode == CgroupMode::Require => anyhow::bail!(
@@ -200,8 +204,12 @@ pub struct Agent {
     restart: Notify,
     restart_requested: std::sync::atomic::AtomicBool,
     /// A simulated host's GPU device nodes: real character devices with NVIDIA's major and
-    /// each GPU's index as minor, so device confinement can be shown without a GPU.
+    /// each GPU's index as minor (and its MIG slices' capability nodes), so device
+    /// confinement can be shown without a GPU.
     device_dir: Option<PathBuf>,
+    /// The driver's MIG capability table (`/proc/driver/nvidia-caps/mig-minors`, or a
+    /// simulated host's), read at start: which `nvidia-caps` minors each slice opens.
+    mig_minors: crate::cgroup::mig_caps::MigMinors,
     /// What this node enforces on its allocations ("cgroup v1: devices, memory, cpu, cpuset"),
     /// or "unenforced: why"; sent with every registration.
     enforcement: String,
@@ -362,7 +370,7 @@ impl Agent {
                         );
                         continue;
                     }
-                    let mut spec = launch_spec(&self.inventory, &a);
+                    let mut spec = launch_spec(&self.inventory, &self.mig_minors, &a);
                     if let Some(dir) = &self.device_dir {
                         // Where a simulated host's device nodes are (real hosts: /dev).
                         spec.env
@@ -535,9 +543,14 @@ impl Agent {
 }
 
 /// What the runtime launches for assignment `a`: its command and GPUs, its share of a GPU
-/// (with the GPU's memory, so that the runtime can check that the shares fit), and the
-/// parent GPU of each MIG slice, as this host's inventory says.
-fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
+/// (with the GPU's memory, so that the runtime can check that the shares fit), the parent
+/// GPU of each MIG slice, as this host's inventory says, and the device minors its cgroup
+/// allows (its MIG slices' from the driver's table `mig_minors`).
+fn launch_spec(
+    inventory: &HostInventory,
+    mig_minors: &crate::cgroup::mig_caps::MigMinors,
+    a: &pa::Assignment,
+) -> LaunchSpec {
     let gpus = &inventory.gpus;
     let share = (a.gpu_milli > 0).then(|| GpuShare {
         milli: a.gpu_milli,
@@ -557,6 +570,10 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
                 .map(|g| (uuid.clone(), g.uuid.clone()))
         })
         .collect();
+    let (mig_cap_minors, unknown) = devices::mig_cap_minors(inventory, mig_minors, &a.gpus);
+    if !unknown.is_empty() {
+        tracing::warn!(allocation = a.allocation_id, slices = ?unknown, "the driver's MIG table (mig-minors) does not describe these slices: a confined job cannot open them");
+    }
     let mut env: BTreeMap<String, String> = a.env.clone().into_iter().collect();
     env.extend(task_env::task_env(
         a.job_id,
@@ -578,51 +595,28 @@ fn launch_spec(inventory: &HostInventory, a: &pa::Assignment) -> LaunchSpec {
         mig_parents,
         cpu_milli: a.cpu_milli,
         memory_mib: a.memory_mib,
-        gpu_minors: gpu_minors(inventory, &a.gpus),
+        gpu_minors: devices::gpu_minors(inventory, &a.gpus),
+        mig_cap_minors,
         workdir: (!a.workdir.is_empty()).then(|| PathBuf::from(&a.workdir)),
         numa_node: shared_numa_node(inventory, &a.gpus),
         container: a.container.as_ref().map(container_spec),
     }
 }
 
-/// Creates `dir/nvidiaN` for each simulated GPU and `dir/nvidiactl`, as the driver does in
-/// /dev. Opening one reaches no driver (ENXIO) when the cgroup allows it, and stops at the
-/// cgroup (EPERM) when it does not. Needs CAP_MKNOD; without it the host has no nodes.
-fn simulated_device_nodes(dir: &std::path::Path, inventory: &HostInventory) -> Option<PathBuf> {
-    use crate::cgroup::devices::{NVIDIA_MAJOR, NVIDIACTL_MINOR};
-    let make = |name: String, minor: u32| -> std::io::Result<()> {
-        let path = dir.join(name);
-        if path.exists() {
-            return Ok(());
-        }
-        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(std::io::Error::other)?;
-        // SAFETY: a NUL-terminated path; makedev only combines numbers.
-        let rc = unsafe {
-            libc::mknod(
-                c.as_ptr(),
-                libc::S_IFCHR | 0o666,
-                libc::makedev(NVIDIA_MAJOR, minor),
-            )
-        };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
-    };
-    let made = std::fs::create_dir_all(dir).and_then(|()| {
-        make("nvidiactl".into(), NVIDIACTL_MINOR)?;
-        for g in &inventory.gpus {
-            make(format!("nvidia{}", g.index), g.index)?;
-        }
-        Ok(())
-    });
-    match made {
-        Ok(()) => Some(dir.to_owned()),
+/// The driver's MIG capability table at `path`; empty (with a warning where the host has MIG
+/// slices, whose confined jobs then cannot open them) when it cannot be read.
+fn read_mig_minors(
+    path: &std::path::Path,
+    inventory: &HostInventory,
+) -> crate::cgroup::mig_caps::MigMinors {
+    let has_mig = inventory.gpus.iter().any(|g| !g.mig_instances.is_empty());
+    match std::fs::read_to_string(path) {
+        Ok(text) => crate::cgroup::mig_caps::MigMinors::parse(&text),
         Err(e) => {
-            tracing::info!(dir = %dir.display(), error = %e, "no simulated GPU device nodes (mknod needs CAP_MKNOD)");
-            None
+            if has_mig {
+                tracing::warn!(path = %path.display(), error = %e, "cannot read the driver's MIG capability table: jobs on MIG slices are not granted their /dev/nvidia-caps nodes, and cannot use their slices where devices are confined");
+            }
+            Default::default()
         }
     }
 }
@@ -641,7 +635,6 @@ fn shared_numa_node(inventory: &HostInventory, uuids: &[String]) -> Option<u32> 
     nodes.all(|n| n == Some(first)).then_some(first)
 }
 
-/// The device minors (`/dev/nvidiaN`) of `uuids`: a GPU's index, a MIG slice's parent's.
 /// The runtime's form of an assignment's container.
 fn container_spec(c: &pa::WorkloadContainer) -> crate::runtime::container::ContainerSpec {
     crate::runtime::container::ContainerSpec {
@@ -656,22 +649,6 @@ fn container_spec(c: &pa::WorkloadContainer) -> crate::runtime::container::Conta
             })
             .collect(),
     }
-}
-
-fn gpu_minors(inventory: &HostInventory, uuids: &[String]) -> Vec<u32> {
-    let mut minors: Vec<u32> = uuids
-        .iter()
-        .filter_map(|uuid| {
-            inventory
-                .gpus
-                .iter()
-                .find(|g| &g.uuid == uuid || g.mig_instances.iter().any(|m| &m.uuid == uuid))
-                .map(|g| g.index)
-        })
-        .collect();
-    minors.sort_unstable();
-    minors.dedup();
-    minors
 }
 
 /// What a GPU event does to the allocations on that GPU (`on_gpu`: whole-GPU users, every
@@ -777,10 +754,21 @@ pub async fn run(
     tracing::info!(node = %config.name, gpus = inventory.gpus.len(), driver = %inventory.driver, "GPU inventory");
     let incarnation = load_or_create_incarnation(&config.state_dir)?;
     let (cgroups, enforcement) = setup_enforcement(config.cgroups, &config.name, &incarnation)?;
-    let device_dir = match &simulated {
-        Some(_) => simulated_device_nodes(&config.state_dir.join("dev"), &inventory),
-        None => None,
+    let mut driver_majors = crate::cgroup::devices::DriverMajors::parse(
+        &std::fs::read_to_string("/proc/devices").unwrap_or_default(),
+    );
+    let (device_dir, mig_minors_path) = match &simulated {
+        Some(_) => {
+            let dir = devices::simulated_nodes(&config.state_dir, &inventory);
+            if dir.is_some() {
+                // Its capability nodes have a major of their own, not the host's driver's.
+                driver_majors.caps = Some(crate::cgroup::devices::SIMULATED_CAPS_MAJOR);
+            }
+            (dir, config.state_dir.join(devices::SIMULATED_MIG_MINORS))
+        }
+        None => (None, PathBuf::from(crate::cgroup::mig_caps::MIG_MINORS)),
     };
+    let mig_minors = read_mig_minors(&mig_minors_path, &inventory);
     // The runner is a subcommand of the agent's own program (the dedicated shim binary
     // holds only the shim).
     let runner_program = std::env::current_exe().context("finding the agent's own executable")?;
@@ -791,9 +779,6 @@ pub async fn run(
         device_dir.clone().unwrap_or_else(|| PathBuf::from("/dev")),
     )
     .await?;
-    let driver_majors = crate::cgroup::devices::DriverMajors::parse(
-        &std::fs::read_to_string("/proc/devices").unwrap_or_default(),
-    );
     let runtime = Runtime::open(RuntimeConfig {
         state_dir: config.state_dir.join("runtime"),
         shim_program: config.shim_program.clone(),
@@ -839,6 +824,7 @@ pub async fn run(
         enforcement,
         container_runtime: container_runtime.map(|c| c.description).unwrap_or_default(),
         device_dir,
+        mig_minors,
     });
     let transport = agent.config.transport.clone();
     let restart_asked = {
@@ -1338,7 +1324,7 @@ mod tests {
             task_hosts: vec!["10.0.0.1".into(), "10.0.0.2".into()],
             ..Default::default()
         };
-        let s = launch_spec(&inv, &a);
+        let s = launch_spec(&inv, &Default::default(), &a);
         assert_eq!(s.gpu_minors, vec![0, 1]);
         assert_eq!(s.numa_node, numa(0));
         assert_eq!((s.cpu_milli, s.memory_mib), (2000, 512));
@@ -1349,7 +1335,10 @@ mod tests {
             gpus: vec![uuid(0), uuid(7)],
             ..a
         };
-        assert_eq!(launch_spec(&inv, &across).numa_node, None);
+        assert_eq!(
+            launch_spec(&inv, &Default::default(), &across).numa_node,
+            None
+        );
     }
 
     #[test]
@@ -1368,11 +1357,20 @@ mod tests {
             time_limit_secs: 60,
             ..Default::default()
         };
-        let s = launch_spec(&inventory, &a);
+        let table =
+            crate::cgroup::mig_caps::MigMinors::parse(&crate::cgroup::mig_caps::driver_table(1));
+        let s = launch_spec(&inventory, &table, &a);
         assert_eq!(s.gpus, vec![slice.clone()]);
         assert_eq!(s.mig_parents, BTreeMap::from([(slice, gpu.uuid.clone())]));
         assert_eq!(s.share, None);
         assert_eq!(s.time_limit, Some(Duration::from_secs(60)));
+        // Its parent GPU's node, and its own GPU instance's and compute instance's caps
+        // (simulated slot 1: GI 2, CI 0 → gpu0/gi2/access 21, gpu0/gi2/ci0/access 22).
+        assert_eq!(s.gpu_minors, vec![0]);
+        assert_eq!(s.mig_cap_minors, vec![21, 22]);
+        // Without the driver's table: none (the job cannot open its slice; warned).
+        let s = launch_spec(&inventory, &Default::default(), &a);
+        assert!(s.mig_cap_minors.is_empty());
 
         let whole = SimulatedBackend::from_preset("h100-pcie-1gpu", "n")
             .expect("preset")
@@ -1385,7 +1383,7 @@ mod tests {
             gpu_memory_mib: 20_389,
             ..Default::default()
         };
-        let s = launch_spec(&whole, &a);
+        let s = launch_spec(&whole, &Default::default(), &a);
         assert_eq!(
             s.share,
             Some(GpuShare {
@@ -1397,6 +1395,6 @@ mod tests {
         assert!(s.mig_parents.is_empty());
         // An exclusive assignment: no share.
         let a = pa::Assignment { gpu_milli: 0, ..a };
-        assert_eq!(launch_spec(&whole, &a).share, None);
+        assert_eq!(launch_spec(&whole, &Default::default(), &a).share, None);
     }
 }

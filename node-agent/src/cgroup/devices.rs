@@ -14,6 +14,11 @@ pub const NVIDIA_MAJOR: u32 = 195;
 pub const NVIDIACTL_MINOR: u32 = 255;
 pub const NVIDIA_MODESET_MINOR: u32 = 254;
 
+/// The `nvidia-caps` major of a simulated host's MIG capability nodes: 120 is in a range
+/// Linux reserves for local and experimental use (120-127, Documentation/admin-guide/
+/// devices.txt), which no driver registers, so an allowed open reaches no driver (ENXIO).
+pub const SIMULATED_CAPS_MAJOR: u32 = 120;
+
 /// One rule: a character device (major, and minor or any) with read/write/mknod access.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct DeviceRule {

@@ -13,7 +13,9 @@
 //! controller), `<v2 mount>/<parent>/<allocation name>` on v2. `parent` is per node (e.g.
 //! `gpucp/node-a`), so two simulated hosts on one machine keep apart.
 
+pub mod device_program;
 pub mod devices;
+pub mod mig_caps;
 pub mod mounts;
 mod v1;
 mod v2;
@@ -79,6 +81,9 @@ impl Enforced {
 pub struct Cgroups {
     hierarchy: Hierarchy,
     parent: PathBuf,
+    /// v2: whether device programs attach here, or why not (probed once, at set-up). Always
+    /// `Ok` on v1, whose `devices` controller is required.
+    devices: Result<(), String>,
 }
 
 /// How long stopping an allocation may take before it is reported as failed.
@@ -94,9 +99,10 @@ impl Cgroups {
         let hierarchy = mounts::choose(&mounts, |root| {
             std::fs::read_to_string(root.join("cgroup.controllers")).ok()
         })?;
-        let c = Cgroups {
+        let mut c = Cgroups {
             hierarchy,
             parent: parent.to_owned(),
+            devices: Ok(()),
         };
         c.prepare_parent().map_err(|e| {
             format!(
@@ -105,17 +111,31 @@ impl Cgroups {
                 parent.display()
             )
         })?;
+        c.probe_devices();
         Ok(c)
     }
 
     /// A given hierarchy, without detection (tests of the other hierarchy on a hybrid host).
     pub fn with_hierarchy(hierarchy: Hierarchy, parent: &Path) -> Result<Cgroups, String> {
-        let c = Cgroups {
+        let mut c = Cgroups {
             hierarchy,
             parent: parent.to_owned(),
+            devices: Ok(()),
         };
         c.prepare_parent().map_err(|e| e.to_string())?;
+        c.probe_devices();
         Ok(c)
+    }
+
+    fn probe_devices(&mut self) {
+        if let Hierarchy::V2 { root } = &self.hierarchy {
+            self.devices = v2::probe_devices(&root.join(&self.parent)).map_err(|e| e.to_string());
+        }
+    }
+
+    /// Whether allocations' device allow-lists are enforced here, or why not.
+    pub fn devices_enforced(&self) -> Result<(), &str> {
+        self.devices.as_ref().map(|_| ()).map_err(String::as_str)
     }
 
     /// What allocations' cgroups enforce on this host, for the node's registration.
@@ -128,9 +148,13 @@ impl Cgroups {
                 }
                 format!("cgroup v1: {}", on.join(", "))
             }
-            Hierarchy::V2 { .. } => {
-                "cgroup v2: memory, cpu, cpuset, kill (devices NOT enforced: the v2 device filter is not built)".into()
-            }
+            // "devices NOT enforced" is what `gpuctl nodes` looks for (cli/output.rs).
+            Hierarchy::V2 { .. } => match &self.devices {
+                Ok(()) => "cgroup v2: devices, memory, cpu, cpuset, kill".into(),
+                Err(why) => {
+                    format!("cgroup v2: memory, cpu, cpuset, kill (devices NOT enforced: {why})")
+                }
+            },
         }
     }
 
@@ -191,7 +215,7 @@ impl Cgroups {
         }
         let enforced = match &self.hierarchy {
             Hierarchy::V1 { .. } => v1::create(&cg.dirs, limits)?,
-            Hierarchy::V2 { .. } => v2::create(&cg.dirs[0], limits)?,
+            Hierarchy::V2 { .. } => v2::create(&cg.dirs[0], limits, self.devices.is_ok())?,
         };
         Ok((cg, enforced))
     }

@@ -248,17 +248,19 @@ fn usage_is_read_back_and_a_leftover_cgroup_is_replaced() {
     kill_and_remove(&again);
 }
 
-#[test]
-fn on_cgroup_v2_a_job_is_killed_whole_through_cgroup_kill() {
+/// The host's cgroup v2 mount as a test's parent cgroup (on a hybrid host, the unified
+/// mount beside the v1 controllers), or `None` with a notice where there is none.
+fn v2_host() -> Option<Host> {
     if !is_root() {
-        return;
+        eprintln!("cgroup tests need root to create cgroups; not run");
+        return None;
     }
     let mounts = mounts::parse_mountinfo(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
     let Some(v2) = mounts.iter().find(|m| m.v2) else {
         eprintln!("no cgroup v2 mount here; not run");
-        return;
+        return None;
     };
-    let host = Host(
+    Some(Host(
         Cgroups::with_hierarchy(
             Hierarchy::V2 {
                 root: v2.mount_point.clone(),
@@ -266,12 +268,34 @@ fn on_cgroup_v2_a_job_is_killed_whole_through_cgroup_kill() {
             &parent(),
         )
         .expect("the v2 mount is writable"),
-    );
+    ))
+}
+
+/// Character devices `dir/<name>` with NVIDIA's major and no driver behind them: an open the
+/// cgroup allows reaches the absent driver (ENXIO), one it denies stops at EPERM.
+fn mknod_nvidia(dir: &std::path::Path, nodes: &[(&str, u32)]) {
+    for (name, minor) in nodes {
+        let path = std::ffi::CString::new(format!("{}/{name}", dir.display())).unwrap();
+        // SAFETY: mknod with a valid path; makedev only combines numbers.
+        let rc = unsafe {
+            libc::mknod(
+                path.as_ptr(),
+                libc::S_IFCHR | 0o666,
+                libc::makedev(NVIDIA_MAJOR, *minor),
+            )
+        };
+        assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
+    }
+}
+
+#[test]
+fn on_cgroup_v2_a_job_is_killed_whole_through_cgroup_kill() {
+    let Some(host) = v2_host() else { return };
     let (cg, enforced) = host.create("alloc-v2", &Limits::default()).unwrap();
     assert_eq!(enforced.hierarchy, "cgroup v2");
     assert!(
         !enforced.devices,
-        "devices on v2 are not enforced yet, and say so"
+        "no device rules asked for, none attached"
     );
     let mut child = spawn_in(&cg, "setsid sh -c 'sleep 1000' & sleep 1000 & wait");
     wait_for(
@@ -287,4 +311,167 @@ fn on_cgroup_v2_a_job_is_killed_whole_through_cgroup_kill() {
         pids.iter().all(|p| gone(*p))
     });
     cg.remove().unwrap();
+}
+
+#[test]
+fn on_cgroup_v2_a_device_program_lets_a_job_open_only_its_own_gpus_node() {
+    let Some(host) = v2_host() else { return };
+    if let Err(why) = host.devices_enforced() {
+        // Not a skip to pass over quietly: the node would register "devices NOT enforced".
+        panic!("this kernel refuses cgroup device programs on its v2 mount: {why}");
+    }
+    assert!(
+        host.capabilities()
+            .starts_with("cgroup v2: devices, memory"),
+        "{}",
+        host.capabilities()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    mknod_nvidia(dir.path(), &[("dev0", 0), ("dev1", 1)]);
+    let mut rules: Vec<DeviceRule> = BASIC.to_vec();
+    rules.push(DeviceRule {
+        major: NVIDIA_MAJOR,
+        minor: Some(0),
+    });
+    let limits = Limits {
+        devices: Some(rules),
+        ..Limits::default()
+    };
+    let (cg, enforced) = host.create("alloc-v2-dev", &limits).unwrap();
+    assert!(enforced.devices, "{enforced:?}");
+    // The shell joins the cgroup between fork and exec (spawn_in), so its opens are the
+    // cgroup's. `exec 3<>` opens read-write, as a CUDA process opens /dev/nvidiaN.
+    let d = dir.path().display();
+    let out = spawn_in(
+        &cg,
+        &format!(
+            "for n in 0 1; do (exec 3<>{d}/dev$n) 2>&1 | sed \"s/^/dev$n: /\"; done; echo ok >/dev/null"
+        ),
+    )
+    .wait_with_output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = |n: u32| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("dev{n}: ")))
+            .unwrap_or_else(|| panic!("no error line for dev{n}: {text}"))
+    };
+    assert!(
+        line(0).contains("No such device"),
+        "minor 0 is allowed: the open passes the cgroup and finds no driver: {text}"
+    );
+    assert!(
+        line(1).contains("Operation not permitted"),
+        "minor 1 is denied by the device program: {text}"
+    );
+    assert!(out.status.success(), "/dev/null stays usable: {out:?}");
+
+    // The same open from outside the cgroup: not confined (the program is the cgroup's).
+    let outside = Command::new("sh")
+        .arg("-c")
+        .arg(format!("(exec 3<>{d}/dev1) 2>&1"))
+        .output()
+        .unwrap();
+    let outside = String::from_utf8_lossy(&outside.stdout);
+    assert!(outside.contains("No such device"), "{outside}");
+
+    // And mknod inside the cgroup: allowed for minor 0, EPERM for minor 1.
+    let out = spawn_in(
+        &cg,
+        &format!(
+            "mknod {d}/m0 c {NVIDIA_MAJOR} 0 && echo made0; mknod {d}/m1 c {NVIDIA_MAJOR} 1 2>&1"
+        ),
+    )
+    .wait_with_output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("made0"), "{text}");
+    assert!(text.contains("Operation not permitted"), "{text}");
+    kill_and_remove(&cg);
+}
+
+/// Drops CAP_SYS_ADMIN, CAP_BPF and CAP_PERFMON from the calling thread's effective set
+/// (capabilities are per thread: the rest of the test process keeps them).
+fn drop_bpf_capabilities_of_this_thread() {
+    // linux/capability.h
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_SYS_ADMIN: u32 = 21;
+    const CAP_PERFMON: u32 = 38;
+    const CAP_BPF: u32 = 39;
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget/capset with a version-3 header and the two data words it takes.
+    unsafe {
+        assert_eq!(
+            libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()),
+            0
+        );
+        data[0].effective &= !(1 << CAP_SYS_ADMIN);
+        data[1].effective &= !(1 << (CAP_BPF - 32) | 1 << (CAP_PERFMON - 32));
+        assert_eq!(
+            libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()),
+            0,
+            "capset: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+#[test]
+fn on_cgroup_v2_a_host_that_refuses_device_programs_says_so_and_still_runs_jobs() {
+    let Some(_) = v2_host() else { return };
+    // In a thread of its own: the capabilities dropped are that thread's only.
+    std::thread::spawn(|| {
+        drop_bpf_capabilities_of_this_thread();
+        let host = v2_host().expect("the v2 mount, without CAP_SYS_ADMIN");
+        let why = host
+            .devices_enforced()
+            .expect_err("no CAP_SYS_ADMIN, no device program");
+        eprintln!("refused, as it should be: {why}");
+        assert!(
+            why.contains("loading the cgroup device program") && why.contains("CAP_SYS_ADMIN"),
+            "{why}"
+        );
+        assert_eq!(
+            host.capabilities(),
+            format!("cgroup v2: memory, cpu, cpuset, kill (devices NOT enforced: {why})")
+        );
+        let dir = tempfile::tempdir().unwrap();
+        mknod_nvidia(dir.path(), &[("dev1", 1)]);
+        let limits = Limits {
+            devices: Some(BASIC.to_vec()),
+            ..Limits::default()
+        };
+        let (cg, enforced) = host.create("alloc-v2-nobpf", &limits).unwrap();
+        assert!(!enforced.devices, "{enforced:?}");
+        let out = spawn_in(
+            &cg,
+            &format!("(exec 3<>{}/dev1) 2>&1", dir.path().display()),
+        )
+        .wait_with_output()
+        .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("No such device"),
+            "unconfined, as said: {text}"
+        );
+        kill_and_remove(&cg);
+    })
+    .join()
+    .unwrap();
 }

@@ -1,14 +1,21 @@
 //! cgroup v2: one directory in the unified hierarchy. Memory through `memory.max` (and no
 //! swap), CPU through `cpu.max`, cpuset through `cpuset.cpus`/`.mems`, stopping through
-//! `cgroup.kill`. Device confinement on v2 is a cgroup eBPF program (what runc and crun
-//! attach); it is not built yet, so `Enforced::devices` stays false on v2 and the agent
-//! reports the node's devices as unenforced rather than pretend.
+//! `cgroup.kill`, devices through a cgroup eBPF program attached to the directory
+//! (`device_program`, what runc and crun attach). Whether the kernel takes such a program
+//! is probed once, when the node's parent cgroup is prepared ([`probe_devices`]); where it
+//! does not, `Enforced::devices` stays false and the node registers its devices as not
+//! enforced, saying why, rather than pretend.
 
 use std::io;
 use std::path::Path;
 
+use super::device_program;
 use super::mounts::V2_CONTROLLERS;
 use super::{Enforced, Limits, Usage, keyed, read_u64, write};
+
+/// The throwaway cgroup [`probe_devices`] attaches to, under the node's parent (allocations
+/// are `alloc-<N>`, so never this).
+const PROBE: &str = "device-probe";
 
 const CPU_PERIOD_US: u64 = 100_000;
 
@@ -44,9 +51,35 @@ pub fn prepare_parent(root: &Path, parent: &Path) -> io::Result<()> {
     Ok(())
 }
 
-pub fn create(dir: &Path, limits: &Limits) -> io::Result<Enforced> {
+/// Whether device programs can be attached under `parent` (its path in the hierarchy):
+/// attaches a deny-all program to a new empty child cgroup, which is removed again. The
+/// error says what the host lacks (no CONFIG_CGROUP_BPF, no CAP_SYS_ADMIN, ...).
+pub fn probe_devices(parent: &Path) -> io::Result<()> {
+    let dir = parent.join(PROBE);
+    // Left by an agent that died mid-probe: empty, as nothing ever joins it.
+    let _ = std::fs::remove_dir(&dir);
+    std::fs::create_dir(&dir)
+        .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
+    let attached = device_program::attach(&dir, &[]);
+    let _ = std::fs::remove_dir(&dir);
+    attached
+}
+
+/// Creates the allocation's cgroup `dir` with `limits`. `devices`: the host takes device
+/// programs ([`probe_devices`]); then a program that cannot be attached fails the creation
+/// (the node said its devices are enforced), otherwise devices are left unconfined.
+pub fn create(dir: &Path, limits: &Limits, devices: bool) -> io::Result<Enforced> {
     std::fs::create_dir(dir)
         .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
+    let enforced = apply(dir, limits, devices);
+    if enforced.is_err() {
+        // Nothing has joined it yet: remove it rather than leave a half-limited cgroup.
+        let _ = std::fs::remove_dir(dir);
+    }
+    enforced
+}
+
+fn apply(dir: &Path, limits: &Limits, devices: bool) -> io::Result<Enforced> {
     let has = |file: &str| dir.join(file).exists();
     let mut enforced = Enforced {
         hierarchy: "cgroup v2".into(),
@@ -76,6 +109,10 @@ pub fn create(dir: &Path, limits: &Limits) -> io::Result<Enforced> {
         if let Some(mems) = &limits.mems {
             write(&dir.join("cpuset.mems"), mems)?;
         }
+    }
+    if devices && let Some(rules) = &limits.devices {
+        device_program::attach(dir, rules)?;
+        enforced.devices = true;
     }
     Ok(enforced)
 }

@@ -19,6 +19,14 @@ pub struct MigInstance {
     /// NVIDIA profile name, e.g. `1g.10gb`, `3g.40gb`.
     pub profile: String,
     pub memory_mib: u64,
+    /// Its GPU instance and compute instance ids (`nvidia-smi`'s "GI ID" and "CI ID"): with
+    /// the parent GPU's minor, they name the `/dev/nvidia-caps` nodes its processes must
+    /// open (`cgroup::mig_caps`). `None` where the driver did not say: the slice is then
+    /// granted no capability node, and a confined job cannot use it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_instance_id: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_instance_id: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -352,13 +352,41 @@ fn mig_of(device: &Device<'_>, index: u32) -> Result<(bool, Vec<MigInstance>), G
             .total
             / MIB;
         let name = mig.name().unwrap_or_default();
+        let (gpu_instance_id, compute_instance_id) = mig_instance_ids(&mig);
         instances.push(MigInstance {
             uuid,
             profile: mig_profile_name(&name, memory_mib),
             memory_mib,
+            gpu_instance_id,
+            compute_instance_id,
         });
     }
     Ok((true, instances))
+}
+
+/// The GPU instance and compute instance ids of a MIG device handle. nvml-wrapper 0.13 does
+/// not wrap `nvmlDeviceGetGpuInstanceId`/`nvmlDeviceGetComputeInstanceId`, so they are called
+/// from the library it loaded. `None` for one the driver lacks or refuses: the slice then
+/// gets no capability node (see `MigInstance`), which fails closed.
+fn mig_instance_ids(mig: &Device<'_>) -> (Option<u32>, Option<u32>) {
+    let lib = mig.nvml().lib();
+    // NVML_SUCCESS
+    const SUCCESS: u32 = 0;
+    let gi = lib.nvmlDeviceGetGpuInstanceId.as_ref().ok().and_then(|f| {
+        let mut id = 0;
+        // SAFETY: a MIG device handle NVML gave, and a place for the one integer it writes.
+        (unsafe { (*f)(mig.handle(), &mut id) } == SUCCESS).then_some(id)
+    });
+    let ci = lib
+        .nvmlDeviceGetComputeInstanceId
+        .as_ref()
+        .ok()
+        .and_then(|f| {
+            let mut id = 0;
+            // SAFETY: as above.
+            (unsafe { (*f)(mig.handle(), &mut id) } == SUCCESS).then_some(id)
+        });
+    (gi, ci)
 }
 
 /// The profile of a MIG device from its NVML name (`NVIDIA A100-SXM4-40GB MIG 1g.5gb`). When

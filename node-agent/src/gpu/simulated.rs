@@ -415,6 +415,12 @@ fn build_inventory(spec: &SimulatedSpec) -> Result<HostInventory, String> {
                 uuid: mig_uuid(&spec.host, *gpu_index, slot),
                 profile: profile.name.to_string(),
                 memory_mib: profile.memory_mib,
+                // One per slot, never 0 (the whole-GPU instance), as the driver's are unique
+                // per GPU; not the driver's placement-based numbering, which nothing here
+                // depends on. Each slice is one compute instance spanning its GPU instance
+                // (what `nvidia-smi mig -cgi ... -C` makes): CI 0.
+                gpu_instance_id: Some(slot + 1),
+                compute_instance_id: Some(0),
             })
             .collect();
     }

@@ -156,27 +156,33 @@ pub fn check_mounts(mounts: &[Mount], prefixes: &[PathBuf]) -> Result<(), String
 }
 
 /// The device nodes a container of an allocation holding GPU minors `gpu_minors` gets: those
-/// GPUs' `nvidiaN`, and the control nodes every CUDA process opens, where the host has them.
-/// A CPU-only allocation gets no NVIDIA node. `exists` is the filesystem check (a parameter,
-/// so this stays pure and testable).
+/// GPUs' `nvidiaN`, its MIG slices' capability nodes (`nvidia-caps/nvidia-capN`), and the
+/// control nodes every CUDA process opens, where the host has them. A CPU-only allocation
+/// gets no NVIDIA node. `exists` is the filesystem check (a parameter, so this stays pure).
 pub fn container_devices(
     device_dir: &Path,
     gpu_minors: &[u32],
+    mig_cap_minors: &[u32],
     exists: impl Fn(&Path) -> bool,
 ) -> Vec<(PathBuf, PathBuf)> {
     if gpu_minors.is_empty() {
         return Vec::new();
     }
-    let names = gpu_minors.iter().map(|m| format!("nvidia{m}")).chain(
-        [
-            "nvidiactl",
-            "nvidia-uvm",
-            "nvidia-uvm-tools",
-            "nvidia-modeset",
-        ]
-        .into_iter()
-        .map(str::to_owned),
-    );
+    const CONTROL: [&str; 4] = [
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia-uvm-tools",
+        "nvidia-modeset",
+    ];
+    let names = gpu_minors
+        .iter()
+        .map(|m| format!("nvidia{m}"))
+        .chain(CONTROL.into_iter().map(str::to_owned))
+        .chain(
+            mig_cap_minors
+                .iter()
+                .map(|m| format!("nvidia-caps/nvidia-cap{m}")),
+        );
     names
         .map(|name| (device_dir.join(&name), Path::new("/dev").join(&name)))
         .filter(|(host, _)| exists(host))
@@ -239,7 +245,7 @@ mod tests {
     #[test]
     fn a_container_gets_its_own_gpus_and_the_control_nodes_the_host_has() {
         let present = |p: &Path| p.file_name().unwrap() != "nvidia-modeset";
-        let devices = container_devices(Path::new("/sim/dev"), &[2, 5], present);
+        let devices = container_devices(Path::new("/sim/dev"), &[2, 5], &[21], present);
         let inside: Vec<_> = devices
             .iter()
             .map(|(_, c)| c.display().to_string())
@@ -251,11 +257,12 @@ mod tests {
                 "/dev/nvidia5",
                 "/dev/nvidiactl",
                 "/dev/nvidia-uvm",
-                "/dev/nvidia-uvm-tools"
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia-caps/nvidia-cap21"
             ]
         );
         assert_eq!(devices[0].0, Path::new("/sim/dev/nvidia2"));
-        assert!(container_devices(Path::new("/dev"), &[], |_| true).is_empty());
+        assert!(container_devices(Path::new("/dev"), &[], &[], |_| true).is_empty());
     }
 
     #[test]

@@ -436,6 +436,7 @@ mod tests {
             cpu_milli: 0,
             memory_mib: 0,
             gpu_minors: Vec::new(),
+            mig_cap_minors: Vec::new(),
             workdir: None,
             numa_node: None,
             container: None,

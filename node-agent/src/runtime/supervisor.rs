@@ -562,6 +562,7 @@ impl Runtime {
             devices: super::container::container_devices(
                 &engine.device_dir,
                 &spec.gpu_minors,
+                &spec.mig_cap_minors,
                 |p| p.exists(),
             ),
             mounts,
@@ -931,10 +932,9 @@ fn cgroup_limits(
         // A container's devices are confined by the engine's own device cgroup, a child of
         // this one (on v1 a child may never allow more than its parent, and the engine's
         // default rules include `c *:* m`).
-        devices: spec
-            .container
-            .is_none()
-            .then(|| crate::cgroup::devices::allocation_rules(&spec.gpu_minors, &[], majors)),
+        devices: spec.container.is_none().then(|| {
+            crate::cgroup::devices::allocation_rules(&spec.gpu_minors, &spec.mig_cap_minors, majors)
+        }),
     }
 }
 
@@ -1039,6 +1039,7 @@ mod tests {
             cpu_milli: 0,
             memory_mib: 0,
             gpu_minors: Vec::new(),
+            mig_cap_minors: Vec::new(),
             workdir: None,
             numa_node: None,
             container: None,

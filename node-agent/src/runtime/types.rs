@@ -59,6 +59,11 @@ pub struct LaunchSpec {
     /// GPU): what its cgroup lets it open.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_minors: Vec<u32>,
+    /// Minors of the `/dev/nvidia-caps` nodes of the allocation's MIG slices (each slice's
+    /// GPU instance and compute instance access nodes, `cgroup::mig_caps`): what its cgroup
+    /// lets it open of the `nvidia-caps` major.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_cap_minors: Vec<u32>,
     /// Where the command starts; `None`, or a directory this host lacks: the allocation's
     /// scratch directory (the latter said in its stderr log).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -169,3 +169,105 @@ async fn a_running_tasks_log_is_read_from_its_own_allocation() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_attempts_logs_are_kept_and_a_follower_sees_lines_as_they_come() {
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+
+    step("a job runs, is requeued by an Xid 79 on its GPU, and runs again");
+    let script = format!(
+        "echo attempt in allocation $GPUCP_ALLOCATION_ID; while [ ! -e {g} ]; do sleep 0.05; done; \
+         for i in 1 2 3; do echo line $i; sleep 0.2; done",
+        g = go.display()
+    );
+    let id = submit(&mut client, shell_job(1, &script), "")
+        .await
+        .unwrap()
+        .id;
+    let first = wait_job(&mut client, id, JOB_TIMEOUT, "running", |j| {
+        j.state == "running"
+    })
+    .await
+    .allocations[0]
+        .clone();
+    let gpu = list_nodes(&mut client).await[0]
+        .gpus
+        .iter()
+        .find(|g| g.uuid == first.gpus[0])
+        .unwrap()
+        .index;
+    let (ok, _, err) = gpuctl(
+        &c,
+        &[
+            "node",
+            "inject",
+            "n1",
+            "--gpu",
+            &gpu.to_string(),
+            "--xid",
+            "79",
+        ],
+    );
+    assert!(ok, "{err}");
+    let second = wait_job(&mut client, id, JOB_TIMEOUT, "running again", |j| {
+        j.state == "running" && j.allocations.first().is_some_and(|a| a.id != first.id)
+    })
+    .await
+    .allocations[0]
+        .clone();
+
+    step("--attempt 1 and --attempt 2 read each placement's own output");
+    let deadline = std::time::Instant::now() + JOB_TIMEOUT;
+    for (attempt, allocation) in [(1, first.id), (2, second.id)] {
+        loop {
+            let (ok, out, err) = gpuctl(
+                &c,
+                &["logs", &id.to_string(), "--attempt", &attempt.to_string()],
+            );
+            assert!(ok, "{err}");
+            if out.contains("attempt in") {
+                assert_eq!(out.trim(), format!("attempt in allocation {allocation}"));
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "attempt {attempt}: {out}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let (ok, _, err) = gpuctl(&c, &["logs", &id.to_string(), "--attempt", "3"]);
+    assert!(
+        !ok && err.contains("has had 2 attempt(s): give one from 1 to 2"),
+        "{err}"
+    );
+
+    step("-f prints the latest attempt's lines as they come and ends with the job");
+    let follower = std::process::Command::new(gpuctl_bin())
+        .args(["logs", "-f", &id.to_string()])
+        .envs(c.gpuctl_env().unwrap())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::fs::write(&go, "").unwrap();
+    let out = tokio::task::spawn_blocking(move || follower.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        stdout,
+        format!(
+            "attempt in allocation {}\nline 1\nline 2\nline 3\n",
+            second.id
+        ),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(get_job(&mut client, id).await.state, "succeeded");
+}

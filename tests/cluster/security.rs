@@ -249,6 +249,7 @@ async fn each_service_takes_certificates_of_its_own_role_only() {
             job_id: 1,
             tail_bytes: 0,
             allocation_id: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -467,6 +468,7 @@ async fn a_user_token_stays_inside_its_tenant() {
                     job_id: theirs,
                     tail_bytes: 0,
                     task: None,
+                    ..Default::default()
                 },
                 t,
             ))

@@ -335,6 +335,7 @@ pub async fn job_logs(client: &mut Client, job: u64) -> (String, String) {
                     job_id: job,
                     tail_bytes: 0,
                     task: None,
+                    ..Default::default()
                 },
                 t,
             ))

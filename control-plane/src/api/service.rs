@@ -108,46 +108,92 @@ fn job_tenant(cluster: &ClusterState, id: u64) -> Option<&str> {
         .or_else(|| cluster.archived.get(&id).map(|a| a.tenant()))
 }
 
-/// The node that ran (or runs) task `task` of `job`, and that task's allocation while it
-/// is live: live allocations in id order (the order RANK numbers them), else the nodes of
-/// the job's last placement ("placed on a,b").
-fn task_of(job: &Job, cluster: &ClusterState, task: usize) -> Result<(String, u64), Rejection> {
-    let mut live: Vec<(u64, String)> = cluster
-        .allocations_of(job.id)
-        .map(|r| (r.allocation.id, r.allocation.node.clone()))
-        .collect();
-    live.sort();
-    let placed: Vec<String> = job
+/// Where task `task` of attempt `attempt` (1-based; `None`: the latest) of `job` ran: its
+/// node, its allocation (0 where not recorded: the agent then reads the job's latest
+/// allocation on that node), and the attempt's number of how many there were.
+struct TaskLocation {
+    node: String,
+    allocation_id: u64,
+    attempt: u32,
+    attempts: u32,
+}
+
+fn locate_task(
+    job: &Job,
+    cluster: &ClusterState,
+    task: usize,
+    attempt: Option<u32>,
+) -> Result<TaskLocation, Rejection> {
+    // Every placement left a "placed on n1,n2" history entry, one node per task.
+    let placements: Vec<Vec<&str>> = job
         .history
         .iter()
-        .rev()
-        .find_map(|h| h.reason.strip_prefix("placed on "))
-        .map(|nodes| nodes.split(',').map(str::to_owned).collect())
-        .unwrap_or_default();
-    let tasks = live.len().max(placed.len());
-    if tasks == 0 {
+        .filter_map(|h| h.reason.strip_prefix("placed on "))
+        .map(|nodes| nodes.split(',').collect())
+        .collect();
+    let attempts = placements.len();
+    if attempts == 0 {
         return Err(Rejection::precondition(format!(
             "job {} has not run anywhere yet (state {})",
             job.id,
             job.state.as_str()
         )));
     }
-    if let Some((id, node)) = live.get(task) {
-        return Ok((node.clone(), *id));
-    }
-    placed
-        .get(task)
-        .map(|node| (node.clone(), 0))
-        .ok_or_else(|| {
-            Rejection::invalid(
-                "task",
+    let number = match attempt {
+        None => attempts,
+        Some(k) if (1..=attempts).contains(&(k as usize)) => k as usize,
+        Some(k) => {
+            return Err(Rejection::invalid(
+                "attempt",
                 format!(
-                    "job {} ran {tasks} task(s): give a task from 0 to {}",
-                    job.id,
-                    tasks - 1
+                    "job {} has had {attempts} attempt(s): give one from 1 to {attempts} (not {k})",
+                    job.id
                 ),
-            )
-        })
+            ));
+        }
+    };
+    let nodes = &placements[number - 1];
+    let Some(node) = nodes.get(task) else {
+        return Err(Rejection::invalid(
+            "task",
+            format!(
+                "attempt {number} of job {} ran {} task(s): give a task from 0 to {}",
+                job.id,
+                nodes.len(),
+                nodes.len() - 1
+            ),
+        ));
+    };
+    // The recorded allocations cover the latest placements (`job.attempts` is shorter when
+    // the first ones predate it, or were dropped as old).
+    let recorded = (number + job.attempts.len())
+        .checked_sub(attempts + 1)
+        .and_then(|i| job.attempts.get(i));
+    let allocation_id = match recorded.and_then(|ids| ids.get(task)) {
+        Some(id) => *id,
+        // The latest attempt's live allocations are known even unrecorded.
+        None if number == attempts => {
+            let mut live: Vec<u64> = cluster
+                .allocations_of(job.id)
+                .map(|r| r.allocation.id)
+                .collect();
+            live.sort_unstable();
+            live.get(task).copied().unwrap_or(0)
+        }
+        None => {
+            return Err(Rejection::precondition(format!(
+                "attempt {number} of job {} predates the record of its allocations (kept for the last {} attempts, from cluster version 2 on); its logs are on node {node}",
+                job.id,
+                crate::state::MAX_RECORDED_ATTEMPTS
+            )));
+        }
+    };
+    Ok(TaskLocation {
+        node: (*node).to_owned(),
+        allocation_id,
+        attempt: number as u32,
+        attempts: attempts as u32,
+    })
 }
 
 /// A channel to `node`'s agent, which must hold that node's certificate.
@@ -954,7 +1000,7 @@ impl ControlPlane for ControlPlaneService {
             |caller, req| async move {
                 caller.require(Action::ReadLogs)?;
                 read_barrier(r, &None).await?;
-                let (node, allocation_id, channel) = {
+                let (place, job_state, channel) = {
                     let data = r.sm.read();
                     let cluster = &data.cluster;
                     let tenant = job_tenant(cluster, req.job_id)
@@ -967,15 +1013,18 @@ impl ControlPlane for ControlPlaneService {
                         ))
                     })?;
                     let task = req.task.unwrap_or(0) as usize;
-                    let (node, allocation_id) = task_of(job, cluster, task)?;
-                    let channel = agent_channel(r, cluster, &node)?;
-                    (node, allocation_id, channel)
+                    let place = locate_task(job, cluster, task, req.attempt)?;
+                    let channel = agent_channel(r, cluster, &place.node)?;
+                    (place, job.state.as_str(), channel)
                 };
+                let node = place.node.clone();
                 let mut agent = proto::agent::node_agent_client::NodeAgentClient::new(channel);
                 let mut call = Request::new(proto::agent::ReadLogsRequest {
                     job_id: req.job_id,
                     tail_bytes: req.tail_bytes,
-                    allocation_id,
+                    allocation_id: place.allocation_id,
+                    stdout_from: req.stdout_from,
+                    stderr_from: req.stderr_from,
                 });
                 call.set_timeout(std::time::Duration::from_secs(10));
                 let logs = agent
@@ -988,6 +1037,11 @@ impl ControlPlane for ControlPlaneService {
                     stderr: logs.stderr,
                     node,
                     allocation_id: logs.allocation_id,
+                    attempt: place.attempt,
+                    attempts: place.attempts,
+                    stdout_size: logs.stdout_size,
+                    stderr_size: logs.stderr_size,
+                    job_state: job_state.to_owned(),
                 })
             },
             |ch, req| async move { ControlPlaneClient::new(ch).read_job_logs(req).await },

@@ -21,6 +21,7 @@ mod bench_submit;
 mod bench_submit_closed;
 mod certs;
 mod dev;
+mod logs;
 mod node;
 pub mod output;
 pub mod parse;
@@ -124,15 +125,7 @@ pub enum Command {
     },
     /// Print a job's output (stdout and stderr), fetched through the control plane from the
     /// node that ran it.
-    Logs {
-        job: u64,
-        /// Only the last N bytes of each stream.
-        #[arg(long, default_value_t = 0)]
-        tail: u64,
-        /// The task (as RANK numbers them) whose logs to show.
-        #[arg(long, default_value_t = 0)]
-        task: u32,
-    },
+    Logs(logs::LogsArgs),
     /// Replicas, leader, term and log indexes; add or remove replicas; back up and restore.
     Cluster {
         #[command(subcommand)]
@@ -439,7 +432,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Cluster { command } => cluster(&mut client, command, fmt).await?,
         Command::Node { command } => node::run(&mut client, command, fmt).await?,
-        Command::Logs { job, tail, task } => node::logs(&mut client, job, tail, task).await?,
+        Command::Logs(args) => logs::run(&mut client, args).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Accounting(args) => accounting::run(&mut client, args, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,

@@ -1,10 +1,9 @@
-//! `gpuctl node ...` and `gpuctl logs`: node administration through the control plane, and
-//! the calls that go to a node's agent directly (logs, fault injection on simulated hosts).
+//! `gpuctl node ...`: node administration through the control plane, and the calls that go
+//! to a node's agent (fault injection on simulated hosts).
 
 use proto::v1 as pb;
 use proto::v1::inject_fault_request::Fault;
 use serde_json::json;
-use std::io::Write;
 
 use super::NodeCommand;
 use super::output::{self, Format};
@@ -87,24 +86,5 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
         Format::Json => println!("{}", output::node_json(&node)),
         Format::Table => print!("{}", output::nodes_table(std::slice::from_ref(&node), None)),
     }
-    Ok(())
-}
-
-pub async fn logs(client: &mut Client, job: u64, tail: u64, task: u32) -> anyhow::Result<()> {
-    let resp = client
-        .call(|mut c, t| async move {
-            c.read_job_logs(with_timeout(
-                pb::ReadJobLogsRequest {
-                    job_id: job,
-                    tail_bytes: tail,
-                    task: Some(task),
-                },
-                t,
-            ))
-            .await
-        })
-        .await?;
-    std::io::stdout().write_all(&resp.stdout)?;
-    std::io::stderr().write_all(&resp.stderr)?;
     Ok(())
 }

@@ -349,6 +349,7 @@ impl ClusterState {
             ending: None,
             yielded_to: None,
             usage: None,
+            attempts: Vec::new(),
         };
         self.jobs.insert(id, job);
         self.index.pending.insert(id);
@@ -815,7 +816,14 @@ impl ClusterState {
             );
             ids.push(id);
         }
+        let record_attempt = self.cluster_version.allows(2);
         if let Some(job) = self.jobs.get_mut(&p.job) {
+            if record_attempt {
+                if job.attempts.len() == MAX_RECORDED_ATTEMPTS {
+                    job.attempts.remove(0);
+                }
+                job.attempts.push(ids.clone());
+            }
             job.allocations = ids;
             job.yielded_to = None;
         }

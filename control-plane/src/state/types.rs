@@ -313,7 +313,16 @@ pub struct Job {
     /// What its tasks used, over every task and attempt whose end was measured (format 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<JobUsage>,
+    /// The allocations of each placement (attempt), oldest first, one per task in task
+    /// order: what `gpuctl logs --attempt K --task N` reads. The last
+    /// [`MAX_RECORDED_ATTEMPTS`] only; recorded from format 2 on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attempts: Vec<Vec<AllocationId>>,
 }
+
+/// Placements of one job whose allocations are kept (a job requeued for ever keeps the
+/// latest).
+pub const MAX_RECORDED_ATTEMPTS: usize = 64;
 
 /// A job's resource use, summed from its tasks' exits (Slurm's `sacct` TotalCPU, MaxRSS).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -52,24 +52,35 @@ impl NodeAgentService {
     }
 }
 
-fn tail(path: &std::path::Path, bytes: u64) -> Result<Vec<u8>, Status> {
-    let mut f = match std::fs::File::open(path) {
+/// A log's last `bytes` (0: up to [`MAX_LOG_BYTES`]), or with `from`, what it holds from
+/// that offset on (up to [`MAX_LOG_BYTES`]); and the offset after what was read (where a
+/// follower reads next). A missing log is empty.
+fn read_log(
+    path: &std::path::Path,
+    bytes: u64,
+    from: Option<u64>,
+) -> Result<(Vec<u8>, u64), Status> {
+    let f = match std::fs::File::open(path) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
         Err(e) => return Err(Status::internal(format!("reading {}: {e}", path.display()))),
     };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let want = if bytes == 0 {
-        MAX_LOG_BYTES
-    } else {
-        bytes.min(MAX_LOG_BYTES)
+    let start = match from {
+        Some(offset) => offset.min(len),
+        None if bytes == 0 => len.saturating_sub(MAX_LOG_BYTES),
+        None => len.saturating_sub(bytes.min(MAX_LOG_BYTES)),
     };
-    f.seek(SeekFrom::Start(len.saturating_sub(want)))
+    let mut f = f;
+    f.seek(SeekFrom::Start(start))
         .map_err(|e| Status::internal(e.to_string()))?;
     let mut out = Vec::new();
-    f.read_to_end(&mut out)
+    // A log still being written may grow meanwhile: read what was there when measured.
+    f.take(MAX_LOG_BYTES.min(len - start))
+        .read_to_end(&mut out)
         .map_err(|e| Status::internal(e.to_string()))?;
-    Ok(out)
+    let next = start + out.len() as u64;
+    Ok((out, next))
 }
 
 #[tonic::async_trait]
@@ -103,10 +114,14 @@ impl NodeAgent for NodeAgentService {
                 (alloc, st.runtime.log_paths(alloc))
             }
         };
+        let (stdout, stdout_size) = read_log(&paths.0, req.tail_bytes, req.stdout_from)?;
+        let (stderr, stderr_size) = read_log(&paths.1, req.tail_bytes, req.stderr_from)?;
         Ok(Response::new(pa::ReadLogsResponse {
-            stdout: tail(&paths.0, req.tail_bytes)?,
-            stderr: tail(&paths.1, req.tail_bytes)?,
+            stdout,
+            stderr,
             allocation_id: allocation,
+            stdout_size,
+            stderr_size,
         }))
     }
 

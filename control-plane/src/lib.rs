@@ -25,6 +25,7 @@ pub mod dst;
 pub mod fuzz;
 pub mod group_commit;
 pub mod health;
+pub mod host_image;
 pub mod leader;
 pub mod local_cluster;
 pub mod membership;

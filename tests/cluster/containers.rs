@@ -8,7 +8,7 @@
 //! pass, unless `CI` is set or `GPUCP_REQUIRE_DOCKER=1` (what `.ci/run` sets once it has
 //! started the engine).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -28,68 +28,18 @@ fn test_image() -> Option<&'static str> {
     // As the compose smoke: CI (or `.ci/run` having found an engine) requires one.
     let required = std::env::var("GPUCP_REQUIRE_DOCKER").is_ok_and(|v| v == "1")
         || std::env::var_os("CI").is_some();
-    let engine = Command::new("docker")
-        .args(["info", "--format", "{{.ServerVersion}}"])
-        .output();
-    let reachable = matches!(&engine, Ok(out) if out.status.success());
+    let reachable = control_plane::host_image::engine_available();
     if !(root && reachable) {
         assert!(
             !required,
-            "GPUCP_REQUIRE_DOCKER=1 but the Docker engine is not usable (root: {root}): {engine:?}"
+            "a Docker engine is required here but not usable (root: {root}, engine answers: {reachable})"
         );
         eprintln!("no Docker engine reachable as root here; container tests not run");
         return None;
     }
     static BUILT: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-    BUILT.get_or_init(|| build_image(IMAGE));
+    BUILT.get_or_init(|| control_plane::host_image::build(IMAGE, TOOLS).expect("the test image"));
     Some(IMAGE)
-}
-
-/// An image of [`TOOLS`] and the shared libraries they load, copied from this host.
-fn build_image(tag: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    let rootfs = dir.path().join("root");
-    std::fs::create_dir_all(rootfs.join("bin")).unwrap();
-    let mut libraries = std::collections::BTreeSet::new();
-    for tool in TOOLS {
-        let path = which(tool);
-        std::fs::copy(&path, rootfs.join("bin").join(tool)).unwrap();
-        let ldd = Command::new("ldd").arg(&path).output().unwrap();
-        for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-            // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or "/lib64/ld-linux... (0x...)"
-            if let Some(lib) = line
-                .split_whitespace()
-                .find(|w| w.starts_with('/'))
-                .map(PathBuf::from)
-            {
-                libraries.insert(lib);
-            }
-        }
-    }
-    for lib in libraries {
-        let into = rootfs.join(lib.strip_prefix("/").unwrap());
-        std::fs::create_dir_all(into.parent().unwrap()).unwrap();
-        std::fs::copy(&lib, &into).unwrap();
-    }
-    std::fs::write(
-        dir.path().join("Dockerfile"),
-        "FROM scratch\nCOPY root/ /\n",
-    )
-    .unwrap();
-    let out = Command::new("docker")
-        .args(["build", "-q", "-t", tag])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "docker build: {out:?}");
-}
-
-fn which(tool: &str) -> PathBuf {
-    ["/bin", "/usr/bin"]
-        .iter()
-        .map(|d| Path::new(d).join(tool))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("{tool} not found on this host"))
 }
 
 /// Containers of job `id` of cluster `c` the engine knows, running or not (other test

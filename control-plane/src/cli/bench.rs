@@ -195,6 +195,10 @@ pub enum BenchCommand {
         /// costs each job.
         #[arg(long)]
         without_cgroups_too: bool,
+        /// Also run our side with every job in a container (an image of this host's
+        /// `sleep`, built with the local Docker engine), and report what a container costs.
+        #[arg(long)]
+        with_containers_too: bool,
     },
     /// Agent rollout: every agent of a fleet of real agent processes (simulated GPUs, real
     /// jobs) restarted in place onto a newly installed binary, --max-unavailable at a time,
@@ -240,6 +244,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         jobs,
         skip_slurm,
         without_cgroups_too,
+        with_containers_too,
     } = command
     {
         let args = super::bench_e2e::Args {
@@ -248,6 +253,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             jobs,
             skip_slurm,
             without_cgroups_too,
+            with_containers_too,
         };
         return super::bench_e2e::run(args, keep_data, fmt);
     }

@@ -32,7 +32,24 @@ pub struct Args {
     pub skip_slurm: bool,
     /// Also run ours with the agents' cgroups off, to measure what enforcement costs a job.
     pub without_cgroups_too: bool,
+    /// Also run ours with every job in a container (an image of this host's `sleep`), to
+    /// measure what a container costs a job.
+    pub with_containers_too: bool,
 }
+
+/// How our side runs its jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// Processes, each in a cgroup of its own (where the host allows).
+    Enforced,
+    /// Processes, the agents' cgroups off.
+    Unenforced,
+    /// Each job in a container of [`BENCH_IMAGE`], with cgroups.
+    Containers,
+}
+
+/// The image container jobs run: this host's `sleep` and its libraries.
+const BENCH_IMAGE: &str = "gpucp-bench/sleep:1";
 
 /// Tenant of the benchmark's jobs (no limit is set for it).
 const TENANT: &str = "bench-e2e";
@@ -88,7 +105,7 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
     let data_dir = keep_data
         .clone()
         .unwrap_or_else(|| ours_dir.path().to_owned());
-    let ours = run_ours(&args, preset, data_dir.clone(), true)
+    let ours = run_ours(&args, preset, data_dir.clone(), Variant::Enforced)
         .context("the gpu-control-plane side of the benchmark failed")?;
     eprintln!(
         "gpu-control-plane: {} jobs in {:.2} s ({:.0} jobs/s); {}",
@@ -99,10 +116,38 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
     );
     let unenforced = if args.without_cgroups_too {
         eprintln!("gpu-control-plane with --cgroups off: same shape...");
-        let r = run_ours(&args, preset, data_dir.join("without-cgroups"), false)
-            .context("the gpu-control-plane side without cgroups failed")?;
+        let r = run_ours(
+            &args,
+            preset,
+            data_dir.join("without-cgroups"),
+            Variant::Unenforced,
+        )
+        .context("the gpu-control-plane side without cgroups failed")?;
         eprintln!(
             "gpu-control-plane without cgroups: {} jobs in {:.2} s ({:.0} jobs/s)",
+            r.succeeded,
+            r.seconds,
+            r.jobs_per_sec()
+        );
+        Some(r)
+    } else {
+        None
+    };
+    let contained = if args.with_containers_too {
+        if !crate::host_image::engine_available() {
+            bail!("--with-containers-too needs the local Docker engine, which does not answer");
+        }
+        crate::host_image::build(BENCH_IMAGE, &["sleep"])?;
+        eprintln!("gpu-control-plane with every job in a container: same shape...");
+        let r = run_ours(
+            &args,
+            preset,
+            data_dir.join("containers"),
+            Variant::Containers,
+        )
+        .context("the gpu-control-plane side with containers failed")?;
+        eprintln!(
+            "gpu-control-plane with containers: {} jobs in {:.2} s ({:.1} jobs/s)",
             r.succeeded,
             r.seconds,
             r.jobs_per_sec()
@@ -131,7 +176,13 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
         Some(r)
     };
     drop(ours_dir);
-    let (text, json) = report(&args, &ours, unenforced.as_ref(), slurm.as_ref());
+    let (text, json) = report(
+        &args,
+        &ours,
+        unenforced.as_ref(),
+        contained.as_ref(),
+        slurm.as_ref(),
+    );
     match fmt {
         Format::Json => println!("{json}"),
         Format::Table => print!("{text}"),
@@ -140,6 +191,7 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
     for (side, r) in [
         ("gpu-control-plane", Some(&ours)),
         ("gpu-control-plane without cgroups", unenforced.as_ref()),
+        ("gpu-control-plane with containers", contained.as_ref()),
         ("Slurm", slurm.as_ref()),
     ] {
         if let Some(r) = r
@@ -160,6 +212,7 @@ fn report(
     args: &Args,
     ours: &SideResult,
     unenforced: Option<&SideResult>,
+    contained: Option<&SideResult>,
     slurm: Option<&SideResult>,
 ) -> (String, serde_json::Value) {
     let mut rows = vec![vec![
@@ -176,11 +229,20 @@ fn report(
             format!("{:.1}", u.jobs_per_sec()),
         ]);
     }
+    if let Some(c) = contained {
+        rows.push(vec![
+            "gpu-control-plane (--image: containers)".to_owned(),
+            c.succeeded.to_string(),
+            format!("{:.2}", c.seconds),
+            format!("{:.1}", c.jobs_per_sec()),
+        ]);
+    }
     // Each GPU runs its jobs one after another, so the extra wall time per job on one GPU is
     // the difference in run time times the GPUs, over the jobs.
     let gpus = (args.hosts * args.gpus_per_host) as f64;
-    let cgroup_cost_ms =
-        unenforced.map(|u| (ours.seconds - u.seconds) * gpus / args.jobs as f64 * 1000.0);
+    let per_job_ms = |more: f64, less: f64| (more - less) * gpus / args.jobs as f64 * 1000.0;
+    let cgroup_cost_ms = unenforced.map(|u| per_job_ms(ours.seconds, u.seconds));
+    let container_cost_ms = contained.map(|c| per_job_ms(c.seconds, ours.seconds));
     if let Some(s) = slurm {
         rows.push(vec![
             "slurm (tuned)".to_owned(),
@@ -206,6 +268,11 @@ fn report(
             "enforcement cost per job (cgroup created, joined, emptied, read, removed): {c:.1} ms of GPU time\n"
         ));
     }
+    if let Some(c) = container_cost_ms {
+        text.push_str(&format!(
+            "container cost per job over a process with cgroups (create, attach, start, wait, remove through the engine): {c:.1} ms of GPU time\n"
+        ));
+    }
     let json = json!({
         "benchmark": "e2e",
         "hosts": args.hosts,
@@ -218,6 +285,9 @@ fn report(
         "gpucp_without_cgroups_seconds": unenforced.map(|u| u.seconds),
         "gpucp_without_cgroups_jobs_per_sec": unenforced.map(|u| u.jobs_per_sec()),
         "enforcement_cost_ms_per_job": cgroup_cost_ms,
+        "gpucp_containers_seconds": contained.map(|c| c.seconds),
+        "gpucp_containers_jobs_per_sec": contained.map(|c| c.jobs_per_sec()),
+        "container_cost_ms_per_job": container_cost_ms,
         "slurm_seconds": slurm.map(|s| s.seconds),
         "slurm_completed": slurm.map(|s| s.succeeded),
         "slurm_jobs_per_sec": slurm.map(|s| s.jobs_per_sec()),
@@ -228,7 +298,12 @@ fn report(
     (text, json)
 }
 
-fn run_ours(args: &Args, preset: &str, dir: PathBuf, cgroups: bool) -> anyhow::Result<SideResult> {
+fn run_ours(
+    args: &Args,
+    preset: &str,
+    dir: PathBuf,
+    variant: Variant,
+) -> anyhow::Result<SideResult> {
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports = free_ports(3 + args.hosts)?;
     let mut cluster = LocalCluster::new(&exe, &["replica"], &dir, "bench-e2e", &ports[..3]);
@@ -243,7 +318,19 @@ fn run_ours(args: &Args, preset: &str, dir: PathBuf, cgroups: bool) -> anyhow::R
                 "--stop-grace-secs",
                 "10",
                 "--cgroups",
-                if cgroups { "auto" } else { "off" },
+                if variant == Variant::Unenforced {
+                    "off"
+                } else {
+                    "auto"
+                },
+                "--containers",
+                if variant == Variant::Containers {
+                    "require"
+                } else {
+                    "off"
+                },
+                "--image-pull",
+                "never",
             ],
         );
     }
@@ -280,7 +367,7 @@ fn run_ours(args: &Args, preset: &str, dir: PathBuf, cgroups: bool) -> anyhow::R
                 .await
                 .with_context(|| format!("draining {name}"))?;
         }
-        submit_all(&cluster, args.jobs).await?;
+        submit_all(&cluster, args.jobs, variant == Variant::Containers).await?;
         // Watch from the leader (it applies a commit first), starting with the current jobs.
         let mut watch = JobWatch::new(
             cluster.addr(status.leader),
@@ -361,7 +448,7 @@ async fn wait_nodes_ready(
     }
 }
 
-async fn submit_all(cluster: &LocalCluster, jobs: usize) -> anyhow::Result<()> {
+async fn submit_all(cluster: &LocalCluster, jobs: usize, containers: bool) -> anyhow::Result<()> {
     let mut tasks = Vec::new();
     for w in 0..SUBMITTERS.min(jobs) {
         let mut client = cluster.client()?;
@@ -375,6 +462,10 @@ async fn submit_all(cluster: &LocalCluster, jobs: usize) -> anyhow::Result<()> {
                         gpus_per_task: 1,
                         tasks: 1,
                         priority_class: "normal".into(),
+                        container: containers.then(|| pb::ContainerSpec {
+                            image: BENCH_IMAGE.into(),
+                            mounts: Vec::new(),
+                        }),
                         ..Default::default()
                     }),
                     idempotency_key: format!("e2e-{i}"),

@@ -27,3 +27,34 @@ fn end_to_end_completes_every_job_on_both_sides() {
     assert!(j["gpucp_jobs_per_sec"].as_f64().unwrap() > 0.0, "{j}");
     assert!(j["slurm_jobs_per_sec"].as_f64().unwrap() > 0.0, "{j}");
 }
+
+#[test]
+fn end_to_end_runs_container_jobs_beside_process_jobs() {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    let root = unsafe { libc::geteuid() == 0 };
+    if !(root && control_plane::host_image::engine_available()) {
+        assert!(
+            std::env::var("GPUCP_REQUIRE_DOCKER").is_err() && std::env::var_os("CI").is_none(),
+            "a Docker engine is required here but not usable as root"
+        );
+        eprintln!("no Docker engine reachable as root here; not run");
+        return;
+    }
+    let j = bench_json(&[
+        "e2e",
+        "--jobs",
+        "20",
+        "--hosts",
+        "1",
+        "--gpus-per-host",
+        "4",
+        "--skip-slurm",
+        "--with-containers-too",
+    ]);
+    assert_eq!(j["gpucp_completed"], 20, "{j}");
+    assert!(
+        j["gpucp_containers_jobs_per_sec"].as_f64().unwrap() > 0.0,
+        "{j}"
+    );
+    assert!(j["container_cost_ms_per_job"].is_number(), "{j}");
+}

@@ -161,6 +161,9 @@ pub fn report_command(req: pa::AllocationReport, with_usage: bool) -> Result<Com
         cpu_ms: u.cpu_ms,
         peak_memory_bytes: u.peak_memory_bytes,
         oom_kills: u.oom_kills,
+        gpu_samples: u.gpu_samples,
+        gpu_sm_percent_avg: u.gpu_sm_percent_avg,
+        gpu_peak_memory_bytes: u.gpu_peak_memory_bytes,
     });
     Ok(Command::AllocationExited {
         allocation,

@@ -187,6 +187,9 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             peak_memory_bytes: u.peak_memory_bytes,
             oom_kills: u.oom_kills,
             tasks_measured: u.tasks_measured,
+            gpu_sm_percent_avg: u.gpu_sm_percent_sum.checked_div(u.gpu_samples).unwrap_or(0),
+            gpu_peak_memory_bytes: u.gpu_peak_memory_bytes,
+            gpu_samples: u.gpu_samples,
         }),
     }
 }

@@ -196,6 +196,7 @@ mod tests {
                 peak_memory_bytes: peak,
                 oom_kills: oom,
                 tasks_measured: 1,
+                ..Default::default()
             }),
             ..Default::default()
         }

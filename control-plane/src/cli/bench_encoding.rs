@@ -931,6 +931,8 @@ pub fn command_from(c: pb::Command) -> Result<Command, String> {
                 cpu_ms: u.cpu_ms,
                 peak_memory_bytes: u.peak_memory_bytes,
                 oom_kills: u.oom_kills,
+                // The mirror measures the cgroup's fields; GPU samples are not in its sample.
+                ..Default::default()
             }),
         },
         K::PutTenant(t) => Command::PutTenant {
@@ -1404,6 +1406,7 @@ mod tests {
                     cpu_ms: 1234,
                     peak_memory_bytes: 5 << 20,
                     oom_kills: 1,
+                    ..Default::default()
                 }),
             },
             Command::AllocationExited {

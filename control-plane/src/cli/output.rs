@@ -131,6 +131,8 @@ pub fn job_json(j: &pb::Job) -> Value {
         "usage": j.usage.as_ref().map(|u| json!({
             "cpu_ms": u.cpu_ms, "peak_memory_bytes": u.peak_memory_bytes,
             "oom_kills": u.oom_kills, "tasks_measured": u.tasks_measured,
+            "gpu_sm_percent_avg": u.gpu_sm_percent_avg, "gpu_peak_memory_bytes": u.gpu_peak_memory_bytes,
+            "gpu_samples": u.gpu_samples,
         })),
     })
 }
@@ -307,6 +309,14 @@ pub fn usage_text(u: &pb::JobUsage) -> String {
     );
     if u.oom_kills > 0 {
         text.push_str(&format!(", {} OOM kill(s)", u.oom_kills));
+    }
+    if u.gpu_samples > 0 {
+        text.push_str(&format!(
+            "; GPU: {}% SM busy on average, peak {} MiB GPU memory ({} samples)",
+            u.gpu_sm_percent_avg,
+            u.gpu_peak_memory_bytes >> 20,
+            u.gpu_samples
+        ));
     }
     text
 }

@@ -332,6 +332,18 @@ pub struct JobUsage {
     pub peak_memory_bytes: u64,
     pub oom_kills: u64,
     pub tasks_measured: u64,
+    /// GPU samples over its tasks, the sum of their SM utilisation (for a sample-weighted
+    /// average) and the largest GPU memory peak of any task (NVML hosts).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub gpu_samples: u64,
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub gpu_sm_percent_sum: u64,
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub gpu_peak_memory_bytes: u64,
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }
 
 impl JobUsage {
@@ -340,6 +352,11 @@ impl JobUsage {
         self.peak_memory_bytes = self.peak_memory_bytes.max(task.peak_memory_bytes);
         self.oom_kills = self.oom_kills.saturating_add(task.oom_kills);
         self.tasks_measured += 1;
+        self.gpu_samples = self.gpu_samples.saturating_add(task.gpu_samples);
+        self.gpu_sm_percent_sum = self
+            .gpu_sm_percent_sum
+            .saturating_add(task.gpu_sm_percent_avg.saturating_mul(task.gpu_samples));
+        self.gpu_peak_memory_bytes = self.gpu_peak_memory_bytes.max(task.gpu_peak_memory_bytes);
     }
 }
 
@@ -582,4 +599,44 @@ pub struct JobRetention {
     pub archive_ms: u64,
     /// ...unless more than this many jobs are archived: then the oldest are forgotten early.
     pub max_archived: u64,
+}
+
+#[cfg(test)]
+mod job_usage_tests {
+    use super::*;
+    use crate::state::command::TaskUsage;
+
+    #[test]
+    fn a_jobs_usage_sums_cpu_keeps_peaks_and_weights_gpu_utilisation_by_samples() {
+        let mut u = JobUsage::default();
+        u.add(&TaskUsage {
+            cpu_ms: 1000,
+            peak_memory_bytes: 5 << 20,
+            oom_kills: 0,
+            gpu_samples: 3,
+            gpu_sm_percent_avg: 90,
+            gpu_peak_memory_bytes: 10 << 30,
+        });
+        u.add(&TaskUsage {
+            cpu_ms: 500,
+            peak_memory_bytes: 7 << 20,
+            oom_kills: 1,
+            gpu_samples: 1,
+            gpu_sm_percent_avg: 10,
+            gpu_peak_memory_bytes: 2 << 30,
+        });
+        // A task on a host without GPU samples adds its CPU and memory only.
+        u.add(&TaskUsage {
+            cpu_ms: 100,
+            ..Default::default()
+        });
+        assert_eq!(
+            (u.cpu_ms, u.peak_memory_bytes, u.oom_kills),
+            (1600, 7 << 20, 1)
+        );
+        assert_eq!(u.tasks_measured, 3);
+        assert_eq!(u.gpu_samples, 4);
+        assert_eq!(u.gpu_sm_percent_sum / u.gpu_samples, (3 * 90 + 10) / 4);
+        assert_eq!(u.gpu_peak_memory_bytes, 10 << 30);
+    }
 }

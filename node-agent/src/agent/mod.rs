@@ -18,6 +18,7 @@ pub mod cli;
 pub mod containers;
 pub mod control;
 mod devices;
+mod gpu_usage;
 pub mod reconcile;
 pub mod restart;
 mod service;
@@ -158,6 +159,8 @@ struct AllocationReport {
     exit: bool,
     /// What the allocation's cgroup measured (exits on an enforcing node).
     usage: Option<crate::cgroup::Usage>,
+    /// What the driver saw it use of its GPUs (exits on an NVML host).
+    gpu_usage: Option<gpu_usage::GpuUsage>,
 }
 
 /// Why the agent stopped an allocation, so its exit is reported with the right meaning.
@@ -184,6 +187,8 @@ struct State {
     fenced: bool,
     /// job id → latest allocation id on this node (for `gpuctl logs`).
     job_allocations: BTreeMap<u64, u64>,
+    /// GPU use of the live allocations, from the driver's per-process samples.
+    gpu_usage: gpu_usage::GpuUsageTracker,
 }
 
 pub struct Agent {
@@ -481,6 +486,7 @@ impl Agent {
                         reason: String::new(),
                         exit: false,
                         usage: None,
+                        gpu_usage: None,
                     }));
                 }
                 RuntimeEvent::Exited {
@@ -496,6 +502,7 @@ impl Agent {
                     };
                     let mut report = exit_report(allocation_id, &kind, cause);
                     report.usage = usage;
+                    report.gpu_usage = self.lock().gpu_usage.take(allocation_id);
                     tracing::info!(allocation = allocation_id, ?kind, event = ?report.event, "exited");
                     self.queue_report(Report::Allocation(report));
                 }
@@ -690,6 +697,7 @@ impl AllocationReport {
             reason: reason.to_owned(),
             exit: true,
             usage: None,
+            gpu_usage: None,
         }
     }
 }
@@ -704,6 +712,7 @@ fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) ->
         reason: String::new(),
         exit: true,
         usage: None,
+        gpu_usage: None,
     };
     match (kind, cause) {
         (ExitKind::Exited { code: 0 }, None) => r.event = Event::Succeeded,
@@ -812,6 +821,7 @@ pub async fn run(
             lease: Duration::from_secs(5),
             fenced: false,
             job_allocations: load_job_index(&config.state_dir),
+            gpu_usage: Default::default(),
         }),
         reports_ready: Notify::new(),
         tick_now: Notify::new(),
@@ -852,7 +862,8 @@ pub async fn run(
         tokio::spawn(assignment_loop(agent.clone(), control.clone())),
         tokio::spawn(tick_loop(agent.clone())),
         tokio::spawn(report_loop(agent.clone(), control.clone())),
-        tokio::spawn(gpu_event_loop(agent.clone(), backend)),
+        tokio::spawn(gpu_event_loop(agent.clone(), backend.clone())),
+        tokio::spawn(gpu_usage_loop(agent.clone(), backend)),
     ];
     let served = server.await;
     for t in tasks.into_iter().chain(reloader) {
@@ -1102,10 +1113,17 @@ async fn send_report(
                 has_exit_code: r.exit_code.is_some(),
                 signal: r.signal,
                 reason: r.reason.clone(),
-                usage: r.usage.map(|u| pa::ResourceUsage {
-                    cpu_ms: u.cpu_ns / 1_000_000,
-                    peak_memory_bytes: u.peak_memory_bytes,
-                    oom_kills: u.oom_kills,
+                usage: (r.usage.is_some() || r.gpu_usage.is_some()).then(|| {
+                    let u = r.usage.unwrap_or_default();
+                    let g = r.gpu_usage.unwrap_or_default();
+                    pa::ResourceUsage {
+                        cpu_ms: u.cpu_ns / 1_000_000,
+                        peak_memory_bytes: u.peak_memory_bytes,
+                        oom_kills: u.oom_kills,
+                        gpu_samples: g.samples,
+                        gpu_sm_percent_avg: g.sm_percent_avg(),
+                        gpu_peak_memory_bytes: g.peak_memory_bytes,
+                    }
                 }),
             };
             control
@@ -1189,6 +1207,35 @@ async fn report_loop(agent: Arc<Agent>, mut control: ControlPlane) {
     }
 }
 
+/// How often the driver is asked which processes use the GPUs.
+const GPU_USAGE_EVERY: Duration = Duration::from_secs(5);
+
+/// Samples per-process GPU use every [`GPU_USAGE_EVERY`] and charges it to the allocations
+/// whose cgroups hold those processes (hosts without per-process samples, such as
+/// simulated ones, cost nothing: no sample, no cgroup read).
+async fn gpu_usage_loop(agent: Arc<Agent>, backend: Arc<dyn GpuBackend>) {
+    let mut every = tokio::time::interval(GPU_USAGE_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let sampler = backend.clone();
+        let Ok(samples) = tokio::task::spawn_blocking(move || sampler.process_samples()).await
+        else {
+            continue;
+        };
+        if samples.is_empty() {
+            continue;
+        }
+        let agent = agent.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut st = agent.lock();
+            let members = st.runtime.allocation_processes();
+            st.gpu_usage.record(&members, &samples);
+        })
+        .await;
+    }
+}
+
 async fn gpu_event_loop(agent: Arc<Agent>, backend: Arc<dyn GpuBackend>) {
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
     std::thread::spawn(move || {
@@ -1240,6 +1287,7 @@ mod tests {
                 reason: String::new(),
                 exit: false,
                 usage: None,
+                gpu_usage: None,
             })
         };
         let exited = |id| {

@@ -82,6 +82,18 @@ pub enum GpuError {
     Backend(String),
 }
 
+/// One process's use of one GPU, as the driver saw it lately.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessGpuSample {
+    pub gpu_uuid: String,
+    pub pid: u32,
+    /// Share of the GPU's streaming multiprocessors it kept busy, percent (`None`: the
+    /// driver had no recent sample for it).
+    pub sm_percent: Option<u32>,
+    /// GPU memory it holds, bytes (`None`: not reported).
+    pub memory_bytes: Option<u64>,
+}
+
 /// What the agent needs from a GPU host.
 pub trait GpuBackend: Send + Sync {
     /// Short name for logs (`nvml`, `simulated`).
@@ -90,4 +102,9 @@ pub trait GpuBackend: Send + Sync {
     fn inventory(&self) -> Result<HostInventory, GpuError>;
     /// Waits up to `timeout` for the next hardware event. `Ok(None)` on timeout.
     fn next_event(&self, timeout: Duration) -> Result<Option<GpuEvent>, GpuError>;
+    /// The processes using each GPU now, for per-job GPU accounting. Simulated GPUs run no
+    /// process, so by default there are none.
+    fn process_samples(&self) -> Vec<ProcessGpuSample> {
+        Vec::new()
+    }
 }

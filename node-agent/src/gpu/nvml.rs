@@ -175,6 +175,42 @@ impl GpuBackend for NvmlBackend {
         })
     }
 
+    /// Compute processes and their memory (`nvmlDeviceGetComputeRunningProcesses`), with
+    /// each one's SM utilisation over the last sampling window
+    /// (`nvmlDeviceGetProcessUtilization`; GPUs without it give memory only). A GPU that
+    /// does not answer is skipped: accounting is best effort, never a reason to fail a job.
+    fn process_samples(&self) -> Vec<super::ProcessGpuSample> {
+        let mut out = Vec::new();
+        // Samples of the last 10 s (NVML keeps a short ring of them per GPU).
+        let since_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
+            .saturating_sub(10_000_000);
+        for (index, uuid) in self.uuids.iter().enumerate() {
+            let Ok(device) = self.nvml.device_by_index(index as u32) else {
+                continue;
+            };
+            let utilisation: std::collections::HashMap<u32, u32> = device
+                .process_utilization_stats(since_us)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|s| (s.pid, s.sm_util))
+                .collect();
+            for p in device.running_compute_processes().unwrap_or_default() {
+                out.push(super::ProcessGpuSample {
+                    gpu_uuid: uuid.clone(),
+                    pid: p.pid,
+                    sm_percent: utilisation.get(&p.pid).copied(),
+                    memory_bytes: match p.used_gpu_memory {
+                        nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => Some(bytes),
+                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+                    },
+                });
+            }
+        }
+        out
+    }
+
     fn next_event(&self, timeout: Duration) -> Result<Option<GpuEvent>, GpuError> {
         let Some(events) = &self.events else {
             // Nothing can arrive; wait as asked so the caller's loop does not spin.

@@ -496,6 +496,19 @@ impl Runtime {
         self.layout.journal()
     }
 
+    /// The processes of each live allocation that has a cgroup (its own and its children's:
+    /// a container's), for per-job GPU accounting.
+    pub fn allocation_processes(&self) -> BTreeMap<u64, BTreeSet<u32>> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.record.exit.is_none())
+            .filter_map(|(id, e)| {
+                let pids = e.record.cgroup.as_ref()?.pids().ok()?;
+                Some((*id, pids.into_iter().collect()))
+            })
+            .collect()
+    }
+
     /// Refuses a container job this host cannot run: no engine, or a mount outside what
     /// the node allows.
     fn check_container(&self, spec: &LaunchSpec) -> Result<(), RuntimeError> {

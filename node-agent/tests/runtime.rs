@@ -52,6 +52,8 @@ fn spec(id: u64, gpus: &[&str], work: &Path, script: &str) -> LaunchSpec {
         workdir: None,
         numa_node: None,
         container: None,
+        stdout_path: None,
+        stderr_path: None,
     }
 }
 

@@ -271,3 +271,89 @@ async fn each_attempts_logs_are_kept_and_a_follower_sees_lines_as_they_come() {
     );
     assert_eq!(get_job(&mut client, id).await.state, "succeeded");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_script_runs_with_its_sbatch_directives_and_writes_its_output_file() {
+    let c = start_with_agents(&[("n1", "a100-pcie-4gpu-nvlink-pairs")]).await;
+    let mut client = c.client().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("train.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n\
+         #SBATCH --job-name=nightly -G 2\n\
+         #SBATCH -o out-%j.txt --time=10\n\
+         echo \"gpus $CUDA_VISIBLE_DEVICES args $*\"\n\
+         echo to-stderr >&2\n",
+    )
+    .unwrap();
+    let workdir = dir.path().to_str().unwrap();
+
+    step("sbatch SCRIPT ARGS: the directives shape the job, the script's text runs");
+    let (ok, out, err) = gpuctl(
+        &c,
+        &[
+            "sbatch",
+            "--chdir",
+            workdir,
+            script.to_str().unwrap(),
+            "a",
+            "--b",
+        ],
+    );
+    assert!(ok, "{err}");
+    let id: u64 = out
+        .trim()
+        .strip_prefix("Submitted job ")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let job = wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+    let spec = job.spec.unwrap();
+    assert_eq!((spec.name.as_str(), spec.gpus_per_task), ("nightly", 2));
+    assert_eq!(spec.time_limit_secs, 600);
+    let written = std::fs::read_to_string(dir.path().join(format!("out-{id}.txt"))).unwrap();
+    assert!(written.starts_with("gpus GPU-"), "{written}");
+    assert!(
+        written.contains(',') && written.trim_end().ends_with("args a --b"),
+        "{written}"
+    );
+    let (logs, errors) = job_logs(&mut client, id).await;
+    assert_eq!(logs, written, "gpuctl logs reads the output file");
+    assert_eq!(errors.trim(), "to-stderr");
+
+    step("the command line overrides a directive; an unknown directive is refused by name");
+    let (ok, out, err) = gpuctl(
+        &c,
+        &[
+            "submit",
+            "-G",
+            "1",
+            "--chdir",
+            workdir,
+            script.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{err}");
+    let id: u64 = out
+        .trim()
+        .strip_prefix("Submitted job ")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let job = wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
+        j.state == "succeeded"
+    })
+    .await;
+    assert_eq!(job.spec.unwrap().gpus_per_task, 1);
+    let bad = dir.path().join("bad.sh");
+    std::fs::write(&bad, "#!/bin/sh\n#SBATCH --frobnicate\ntrue\n").unwrap();
+    let (ok, _, err) = gpuctl(&c, &["sbatch", bad.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("bad.sh") && err.contains("--frobnicate"),
+        "{err}"
+    );
+}

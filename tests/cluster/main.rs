@@ -12,6 +12,7 @@ mod enforcement;
 mod failover;
 mod hostile_input;
 mod job_env;
+mod kube;
 mod membership;
 mod security;
 mod telemetry;

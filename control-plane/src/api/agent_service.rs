@@ -212,6 +212,8 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                         })
                         .collect(),
                 }),
+                stdout_path: job.spec.stdout_path.clone().unwrap_or_default(),
+                stderr_path: job.spec.stderr_path.clone().unwrap_or_default(),
             })
         })
         .collect();

@@ -88,6 +88,8 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
                 })
                 .collect(),
         }),
+        stdout_path: non_empty(spec.stdout_path),
+        stderr_path: non_empty(spec.stderr_path),
     })
 }
 
@@ -135,6 +137,8 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
                 })
                 .collect(),
         }),
+        stdout_path: spec.stdout_path.clone().unwrap_or_default(),
+        stderr_path: spec.stderr_path.clone().unwrap_or_default(),
     }
 }
 
@@ -429,6 +433,8 @@ mod tests {
                     read_only: true,
                 }],
             }),
+            stdout_path: Some("out-%j.txt".into()),
+            stderr_path: Some("/logs/%x-%j.err".into()),
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

@@ -335,8 +335,11 @@ impl ControlPlane for ControlPlaneService {
                 caller.require_tenant(&spec.tenant, "submit jobs on behalf")?;
                 validate_job_spec(&spec)?;
                 if r.sm.cluster_version() < 2 {
-                    // Format 1 has no working directory; the entry keeps its shape.
+                    // Format 1 has no working directory nor output files; the entry keeps
+                    // its shape.
                     spec.workdir = None;
+                    spec.stdout_path = None;
+                    spec.stderr_path = None;
                 }
                 let key = if req.idempotency_key.is_empty() {
                     None

@@ -1,7 +1,5 @@
 //! `gpuctl`: command-line client of gpu-control-plane (see `control_plane::cli`).
 
-use clap::Parser;
-
 fn main() {
     // `gpuctl shim ...` is the workload supervisor of `gpuctl agent` (simulated hosts of
     // `gpuctl dev`); its arguments end with the workload's own command, so no flag parsing.
@@ -14,7 +12,7 @@ fn main() {
         ),
         _ => {}
     }
-    let cli = control_plane::cli::Cli::parse();
+    let cli = control_plane::cli::parse_command_line();
     if let Err(e) = control_plane::cli::main(cli) {
         // Errors from the API carry a message meant for people; show it plainly with its code.
         match e.downcast_ref::<tonic::Status>() {

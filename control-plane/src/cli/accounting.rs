@@ -114,7 +114,7 @@ pub async fn run(client: &mut Client, args: AccountingArgs, fmt: Format) -> anyh
     let now_ms = crate::replica::now_ms();
     let sums = sum_by_tenant(&jobs, now_ms);
     match fmt {
-        Format::Json => println!(
+        Format::Json | Format::Yaml => println!(
             "{}",
             json!({"tenants": sums.iter().map(|(name, u)| json!({
                 "tenant": name, "jobs": u.jobs, "by_state": u.by_state,
@@ -124,7 +124,7 @@ pub async fn run(client: &mut Client, args: AccountingArgs, fmt: Format) -> anyh
                 "jobs_measured": u.measured,
             })).collect::<Vec<_>>()})
         ),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             let rows: Vec<Vec<String>> = sums
                 .iter()
                 .map(|(name, u)| {

@@ -221,7 +221,7 @@ pub async fn run(client: &mut Client, args: RestartAgentArgs, fmt: Format) -> an
     } else {
         args.nodes.clone()
     };
-    let table = fmt == Format::Table;
+    let table = fmt.is_table();
     let report = rollout(
         client,
         &nodes,
@@ -236,8 +236,8 @@ pub async fn run(client: &mut Client, args: RestartAgentArgs, fmt: Format) -> an
     )
     .await;
     match fmt {
-        Format::Json => println!("{}", report_json(&report)),
-        Format::Table => print!("{}", summary(&report, args.check)),
+        Format::Json | Format::Yaml => println!("{}", report_json(&report)),
+        Format::Table | Format::Wide => print!("{}", summary(&report, args.check)),
     }
     let failed = report.failures().count();
     if failed > 0 {

@@ -70,7 +70,7 @@ pub fn run_offline(command: SnapshotCommand, fmt: Format) -> anyhow::Result<()> 
             })?;
             let h = &restored.header;
             match fmt {
-                Format::Json => print_json(json!({
+                Format::Json | Format::Yaml => print_json(json!({
                     "data_dir": restored.data_dir.display().to_string(),
                     "id": id,
                     "cluster": cluster,
@@ -78,7 +78,7 @@ pub fn run_offline(command: SnapshotCommand, fmt: Format) -> anyhow::Result<()> 
                     "snapshot_bytes": restored.snapshot_bytes,
                     "header": header_json(h),
                 })),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     println!(
                         "restored replica {id} of cluster {cluster:?} into {}",
                         restored.data_dir.display()
@@ -150,12 +150,12 @@ pub async fn save(client: &mut Client, file: &Path, fmt: Format) -> anyhow::Resu
         .with_context(|| format!("the backup was not saved to {}", file.display()))?;
     let took = started.elapsed();
     match fmt {
-        Format::Json => print_json(json!({
+        Format::Json | Format::Yaml => print_json(json!({
             "path": path.display().to_string(),
             "took_ms": took.as_millis() as u64,
             "header": header_json(&header),
         })),
-        Format::Table => println!(
+        Format::Table | Format::Wide => println!(
             "saved cluster {:?} at log index {} (term {}, from replica {}): {}, {} bytes of state, to {} in {:.1} s",
             header.cluster,
             header.last_applied.index,
@@ -175,12 +175,12 @@ fn inspect(file: &Path, fmt: Format) -> anyhow::Result<()> {
     backup.verify()?;
     let h = &backup.header;
     match fmt {
-        Format::Json => print_json(json!({
+        Format::Json | Format::Yaml => print_json(json!({
             "path": file.display().to_string(),
             "checksums": "ok",
             "header": header_json(h),
         })),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             println!(
                 "backup {} (format {})",
                 file.display(),

@@ -271,8 +271,8 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             fleets,
         })?;
         match fmt {
-            Format::Json => println!("{json}"),
-            Format::Table => print!("{text}"),
+            Format::Json | Format::Yaml => println!("{json}"),
+            Format::Table | Format::Wide => print!("{text}"),
         }
         return Ok(());
     }
@@ -294,8 +294,8 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             compaction: !no_compaction,
         })?;
         match fmt {
-            Format::Json => println!("{json}"),
-            Format::Table => print!("{text}"),
+            Format::Json | Format::Yaml => println!("{json}"),
+            Format::Table | Format::Wide => print!("{text}"),
         }
         return Ok(());
     }
@@ -314,8 +314,8 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             keep_data,
         )?;
         match fmt {
-            Format::Json => println!("{json}"),
-            Format::Table => print!("{text}"),
+            Format::Json | Format::Yaml => println!("{json}"),
+            Format::Table | Format::Wide => print!("{text}"),
         }
         return Ok(());
     }
@@ -351,8 +351,8 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         side_by_side(&reports)
     };
     match fmt {
-        Format::Json => println!("{json}"),
-        Format::Table => print!("{text}"),
+        Format::Json | Format::Yaml => println!("{json}"),
+        Format::Table | Format::Wide => print!("{text}"),
     }
     Ok(())
 }

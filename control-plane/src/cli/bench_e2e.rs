@@ -184,8 +184,8 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
         slurm.as_ref(),
     );
     match fmt {
-        Format::Json => println!("{json}"),
-        Format::Table => print!("{text}"),
+        Format::Json | Format::Yaml => println!("{json}"),
+        Format::Table | Format::Wide => print!("{text}"),
     }
     // The smoke run in CI relies on this: every job of each side must have succeeded.
     for (side, r) in [

@@ -832,6 +832,8 @@ fn spec_from(s: pb::JobSpec) -> Result<state::JobSpec, String> {
         workdir: s.workdir.clone(),
         // The mirror measures the fields every job has; containers are not in its sample.
         container: None,
+        stdout_path: None,
+        stderr_path: None,
     })
 }
 
@@ -1355,6 +1357,8 @@ mod tests {
             single_numa: true,
             workdir: Some("/home/ml/run".into()),
             container: None,
+            stdout_path: None,
+            stderr_path: None,
         };
         let token = TokenRecord {
             id: "0123456789abcdef".into(),

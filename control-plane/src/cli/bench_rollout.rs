@@ -437,7 +437,7 @@ fn print_figures(args: &Args, f: &Figures, fmt: Format) {
         "short_jobs_requeued": f.short.requeued,
         "short_jobs_not_succeeded": f.short.not_succeeded,
     });
-    if fmt == Format::Json {
+    if fmt.is_json() {
         println!("{json}");
         return;
     }

@@ -98,11 +98,11 @@ pub fn run(command: CertsCommand, fmt: Format) -> anyhow::Result<()> {
             let ca = pki::create_ca(&cluster, days)?;
             ca.write(&dir)?;
             match fmt {
-                Format::Json => println!(
+                Format::Json | Format::Yaml => println!(
                     "{}",
                     json!({"ca": dir.join(pki::CA_CERT_FILE), "ca_key": dir.join(pki::CA_KEY_FILE)})
                 ),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     println!("CA created in {} (valid {days} days).", dir.display());
                     println!(
                         "  {}      give to every replica, agent and client",
@@ -151,8 +151,8 @@ pub fn run(command: CertsCommand, fmt: Format) -> anyhow::Result<()> {
             files.write(&out)?;
             let identity = show(&out.join(pki::CERT_FILE))?;
             match fmt {
-                Format::Json => println!("{}", identity_json(&identity, &out)),
-                Format::Table => {
+                Format::Json | Format::Yaml => println!("{}", identity_json(&identity, &out)),
+                Format::Table | Format::Wide => {
                     println!("{} written to {}", describe(&identity), out.display());
                     println!("  use it with --tls-dir {}", out.display());
                 }
@@ -166,8 +166,8 @@ pub fn run(command: CertsCommand, fmt: Format) -> anyhow::Result<()> {
             };
             let identity = show(&file)?;
             match fmt {
-                Format::Json => println!("{}", identity_json(&identity, &path)),
-                Format::Table => {
+                Format::Json | Format::Yaml => println!("{}", identity_json(&identity, &path)),
+                Format::Table | Format::Wide => {
                     println!("{}", describe(&identity));
                     println!("  serial:     {}", identity.serial);
                     println!("  not after:  {}", format_time(identity.not_after_ms));
@@ -192,8 +192,10 @@ pub fn run(command: CertsCommand, fmt: Format) -> anyhow::Result<()> {
         } => {
             let crl = pki::revoke(&ca_dir, &serial, days)?;
             match fmt {
-                Format::Json => println!("{}", json!({"crl": crl, "revoked": serial})),
-                Format::Table => {
+                Format::Json | Format::Yaml => {
+                    println!("{}", json!({"crl": crl, "revoked": serial}))
+                }
+                Format::Table | Format::Wide => {
                     println!("serial {serial} revoked; CRL written to {}", crl.display());
                     println!(
                         "  copy it to each process's --tls-dir as {} (re-read within seconds, or on SIGHUP)",

@@ -6,6 +6,7 @@
 pub mod accounting;
 pub mod agent_rollout;
 mod backup;
+mod batch_script;
 mod bench;
 mod bench_e2e;
 mod bench_encoding;
@@ -21,7 +22,9 @@ mod bench_submit;
 mod bench_submit_closed;
 mod certs;
 mod dev;
+mod kube;
 mod logs;
+mod manifest;
 mod node;
 pub mod output;
 pub mod parse;
@@ -50,7 +53,10 @@ use output::Format;
 #[command(
     name = "gpuctl",
     version,
-    about = "Command-line client of gpu-control-plane"
+    about = "Command-line client of gpu-control-plane",
+    // An option given twice takes the last value: a batch script's #SBATCH directives come
+    // first, so the command line's own options win, as with sbatch.
+    args_override_self = true
 )]
 pub struct Cli {
     /// Control-plane replicas to talk to, comma-separated; any one of them will do.
@@ -84,7 +90,22 @@ pub const DEV_DATA_DIR: &str = "./dev-data";
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum Command {
-    /// Submit a job: `gpuctl submit --gpus 2 --time 24:00:00 -- python train.py`.
+    /// Submit a `kind: GpuJob` manifest (Kubernetes-shaped YAML), idempotent by its name.
+    Apply(kube::ApplyArgs),
+    /// Jobs by name, as `kubectl get` shows them (-o yaml: manifests; -o wide: more columns).
+    Get(kube::GetArgs),
+    /// One job by name, in full.
+    Describe(kube::NamedArgs),
+    /// Cancel the pending or running job of that name.
+    Delete(kube::NamedArgs),
+    /// Print a shell completion script: `gpuctl completions bash > /etc/bash_completion.d/gpuctl`
+    /// (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
+    /// Print gpuctl's man page (roff): `gpuctl man | man -l -`.
+    Man,
+    /// Submit a job: `gpuctl submit --gpus 2 --time 24:00:00 -- python train.py`, or a batch
+    /// script with #SBATCH lines: `gpuctl submit train.sh` (alias: sbatch).
+    #[command(visible_alias = "sbatch")]
     Submit(submit::SubmitArgs),
     /// List jobs (pending and running by default).
     #[command(alias = "squeue", alias = "list")]
@@ -295,12 +316,89 @@ pub enum PartitionCommand {
 }
 
 /// Runs `gpuctl`. Returns the process exit code.
+/// Parses gpuctl's command line. For `submit SCRIPT`, the script's `#SBATCH` directives are
+/// read and placed before the command line's own options, which therefore win (sbatch's
+/// rule); a directive gpuctl does not take is reported with the script's name.
+pub fn parse_command_line() -> Cli {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = Cli::parse_from(&argv);
+    let Command::Submit(args) = &cli.command else {
+        return cli;
+    };
+    let Some(script) = args.script.first() else {
+        return cli;
+    };
+    // A script that cannot be read is reported when the request is built.
+    let Ok(text) = std::fs::read_to_string(script) else {
+        return cli;
+    };
+    let directives = match batch_script::parse(script, &text, &[]) {
+        Ok(b) => b.args,
+        Err(e) => {
+            eprintln!("gpuctl: error: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    if directives.is_empty() {
+        return cli;
+    }
+    // The directives alone, before a stand-in script: a word that is not an option would be
+    // taken for the script itself.
+    const STAND_IN: &str = "gpucp-directive-check.sh";
+    let check = ["gpuctl", "submit"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(directives.iter().cloned())
+        .chain([STAND_IN.to_owned()]);
+    let problem = match Cli::try_parse_from(check) {
+        Err(e) => Some(e.to_string().lines().next().unwrap_or_default().to_owned()),
+        Ok(Cli {
+            command: Command::Submit(a),
+            ..
+        }) if a.script.first().is_some_and(|w| w != STAND_IN) => Some(format!(
+            "{:?} is not an option of gpuctl submit",
+            a.script[0]
+        )),
+        Ok(_) => None,
+    };
+    if let Some(problem) = problem {
+        eprintln!("gpuctl: error: an #SBATCH directive of {script}: {problem}");
+        std::process::exit(2);
+    }
+    let at = argv
+        .iter()
+        .position(|a| a == "submit" || a == "sbatch")
+        .unwrap_or(1);
+    let mut merged = argv[..=at].to_vec();
+    merged.extend(directives.into_iter().map(Into::into));
+    merged.extend(argv[at + 1..].iter().cloned());
+    Cli::parse_from(merged)
+}
+
 pub fn main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Replica(args) => {
             return crate::server::run_replica_process(args, crate::config::Defaults::LOG_FILTER);
         }
         Command::Dev(args) => return dev::run(args),
+        Command::Completions { shell } => {
+            // Into a buffer first: the generator panics on a write error (`| head`).
+            let mut script = Vec::new();
+            clap_complete::generate(
+                shell,
+                &mut <Cli as clap::CommandFactory>::command(),
+                "gpuctl",
+                &mut script,
+            );
+            return write_stdout(&script);
+        }
+        Command::Man => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(<Cli as clap::CommandFactory>::command())
+                .render(&mut page)
+                .context("rendering the man page")?;
+            return write_stdout(&page);
+        }
         Command::Agent(args) => {
             let exe = std::env::current_exe().context("finding gpuctl's own path")?;
             return node_agent::agent::cli::run_agent_process(args, exe, "shim");
@@ -320,6 +418,15 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
     runtime.block_on(run_client_command(cli))
 }
 
+/// Writes `bytes` to stdout; a reader that went away (`| head`) is not an error.
+fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    match std::io::stdout().write_all(bytes) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.context("writing to stdout"),
+    }
+}
+
 fn print_json(v: serde_json::Value) {
     println!("{v}");
 }
@@ -336,6 +443,10 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
     let fmt = cli.output;
     match cli.command {
         Command::Submit(args) => submit::run(&mut client, args, fmt).await?,
+        Command::Apply(args) => kube::apply(&mut client, args, fmt).await?,
+        Command::Get(args) => kube::get(&mut client, args, fmt).await?,
+        Command::Describe(args) => kube::describe(&mut client, args, fmt).await?,
+        Command::Delete(args) => kube::delete(&mut client, args, fmt).await?,
         Command::Queue(q) => {
             let req = pb::ListJobsRequest {
                 states: q.states,
@@ -351,10 +462,12 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await?;
             match fmt {
-                Format::Json => print_json(
+                Format::Json | Format::Yaml => print_json(
                     json!({"jobs": resp.jobs.iter().map(output::job_json).collect::<Vec<_>>()}),
                 ),
-                Format::Table => print!("{}", output::jobs_table(&resp.jobs, now_ms())),
+                Format::Table | Format::Wide => {
+                    print!("{}", output::jobs_table(&resp.jobs, now_ms()))
+                }
             }
         }
         Command::Show { job, stale } => {
@@ -371,8 +484,8 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await?;
             match fmt {
-                Format::Json => print_json(output::job_json(&j)),
-                Format::Table => print!("{}", output::job_details(&j)),
+                Format::Json | Format::Yaml => print_json(output::job_json(&j)),
+                Format::Table | Format::Wide => print!("{}", output::job_details(&j)),
             }
         }
         Command::Cancel { jobs, reason } => {
@@ -392,20 +505,20 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 match r {
                     Ok(_) => {
                         results.push(json!({"id": id, "cancelled": true}));
-                        if fmt == Format::Table {
+                        if fmt.is_table() {
                             println!("job {id} cancelled");
                         }
                     }
                     Err(s) => {
                         failed += 1;
                         results.push(json!({"id": id, "cancelled": false, "error": s.message()}));
-                        if fmt == Format::Table {
+                        if fmt.is_table() {
                             eprintln!("job {id}: {}", s.message());
                         }
                     }
                 }
             }
-            if fmt == Format::Json {
+            if fmt.is_json() {
                 print_json(json!({"results": results}));
             }
             if failed > 0 {
@@ -421,11 +534,11 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await?;
             match fmt {
-                Format::Json => print_json(json!({
+                Format::Json | Format::Yaml => print_json(json!({
                     "nodes": resp.nodes.iter().map(|n| output::node_json_with_skew(n, &resp.release)).collect::<Vec<_>>(),
                     "control_plane_release": resp.release,
                 })),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     print!("{}", output::nodes_table(&resp.nodes, Some(&resp.release)))
                 }
             }
@@ -440,6 +553,8 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Audit(args) => tokens::audit(&mut client, args, fmt).await?,
         Command::Whoami => tokens::whoami(&mut client, fmt).await?,
         Command::Dev(_)
+        | Command::Completions { .. }
+        | Command::Man
         | Command::Replica(_)
         | Command::Agent(_)
         | Command::Bench { .. }
@@ -476,10 +591,10 @@ async fn watch(
                 Ok(Some(ev)) => {
                     let Some(job) = ev.job else { continue };
                     match fmt {
-                        Format::Json => print_json(
+                        Format::Json | Format::Yaml => print_json(
                             json!({"log_index": ev.log_index, "job": output::job_json(&job)}),
                         ),
-                        Format::Table => {
+                        Format::Table | Format::Wide => {
                             let reason =
                                 job.history.last().map(|h| h.reason.as_str()).unwrap_or("");
                             println!(
@@ -628,8 +743,8 @@ async fn cluster(client: &mut Client, command: ClusterCommand, fmt: Format) -> a
         }
     };
     match fmt {
-        Format::Json => print_json(output::status_json(&status)),
-        Format::Table => print!("{}", output::status_text(&status)),
+        Format::Json | Format::Yaml => print_json(output::status_json(&status)),
+        Format::Table | Format::Wide => print!("{}", output::status_text(&status)),
     }
     Ok(())
 }
@@ -668,10 +783,10 @@ async fn tenant(client: &mut Client, command: TenantCommand, fmt: Format) -> any
         }
     };
     match fmt {
-        Format::Json => print_json(json!({"tenants": tenants.iter().map(|t| json!({
+        Format::Json | Format::Yaml => print_json(json!({"tenants": tenants.iter().map(|t| json!({
             "name": t.name, "weight": t.weight, "quota_gpus": t.quota_gpus, "max_gpus": t.max_gpus,
         })).collect::<Vec<_>>()})),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             let rows: Vec<Vec<String>> = tenants
                 .iter()
                 .map(|t| {
@@ -724,10 +839,10 @@ async fn partition(
         }
     };
     match fmt {
-        Format::Json => print_json(
+        Format::Json | Format::Yaml => print_json(
             json!({"partitions": partitions.iter().map(|p| json!({"name": p.name, "description": p.description})).collect::<Vec<_>>()}),
         ),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             let rows: Vec<Vec<String>> = partitions
                 .iter()
                 .map(|p| vec![p.name.clone(), p.description.clone()])

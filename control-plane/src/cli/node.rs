@@ -76,15 +76,21 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
                 })
                 .await?;
             match fmt {
-                Format::Json => println!("{}", json!({"node": node, "gpu_uuid": resp.gpu_uuid})),
-                Format::Table => println!("injected on {node} GPU {gpu} ({})", resp.gpu_uuid),
+                Format::Json | Format::Yaml => {
+                    println!("{}", json!({"node": node, "gpu_uuid": resp.gpu_uuid}))
+                }
+                Format::Table | Format::Wide => {
+                    println!("injected on {node} GPU {gpu} ({})", resp.gpu_uuid)
+                }
             }
             return Ok(());
         }
     };
     match fmt {
-        Format::Json => println!("{}", output::node_json(&node)),
-        Format::Table => print!("{}", output::nodes_table(std::slice::from_ref(&node), None)),
+        Format::Json | Format::Yaml => println!("{}", output::node_json(&node)),
+        Format::Table | Format::Wide => {
+            print!("{}", output::nodes_table(std::slice::from_ref(&node), None))
+        }
     }
     Ok(())
 }

@@ -7,6 +7,22 @@ use serde_json::{Value, json};
 pub enum Format {
     Table,
     Json,
+    /// Manifests for `get`/`describe` (`kind: GpuJob`); elsewhere JSON, which is YAML too.
+    Yaml,
+    /// More columns for `get`; elsewhere the table.
+    Wide,
+}
+
+impl Format {
+    /// Machine-readable output (json, or yaml where a command has no YAML of its own).
+    pub fn is_json(self) -> bool {
+        matches!(self, Format::Json | Format::Yaml)
+    }
+
+    /// Tables for people (table, or wide where a command has no wider one).
+    pub fn is_table(self) -> bool {
+        matches!(self, Format::Table | Format::Wide)
+    }
 }
 
 /// Left-aligned columns separated by two spaces, like `squeue` and `kubectl get`.

@@ -152,7 +152,7 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
                 grace_ms: args.grace_s * 1000,
                 tick_ms: args.tick_s * 1000,
             };
-            if fmt == Format::Table {
+            if fmt.is_table() {
                 eprintln!("replaying {} jobs: {} ...", jobs.len(), cfg.label);
             }
             runs.push(replay::run(&base, &jobs, &cfg)?);
@@ -164,8 +164,10 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
     }
     match fmt {
-        Format::Json => println!("{}", json!({"workload": description, "runs": runs})),
-        Format::Table => {
+        Format::Json | Format::Yaml => {
+            println!("{}", json!({"workload": description, "runs": runs}))
+        }
+        Format::Table | Format::Wide => {
             println!("{description}");
             let rows: Vec<Vec<String>> = runs
                 .iter()

@@ -106,7 +106,7 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
         if !r.violations.is_empty() {
             eprint!("{}", r.describe_failure());
         }
-        if fmt == Format::Table && (n.is_multiple_of(500) || n == total) {
+        if fmt.is_table() && (n.is_multiple_of(500) || n == total) {
             eprintln!(
                 "{n}/{total} seeds, {:.0} s",
                 started.elapsed().as_secs_f64()
@@ -117,7 +117,7 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
     let wall = started.elapsed().as_secs_f64();
     let failed: Vec<u64> = summary.failed.iter().map(|r| r.seed).collect();
     match fmt {
-        Format::Json => {
+        Format::Json | Format::Yaml => {
             let v = json!({
                 "seeds": summary.seeds,
                 "first_seed": seeds.first(),
@@ -137,7 +137,7 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
             });
             println!("{v}");
         }
-        Format::Table => {
+        Format::Table | Format::Wide => {
             println!(
                 "{} seeds ({}..={}) on {threads} threads in {wall:.1} s; {:.0} simulated minutes",
                 summary.seeds,
@@ -202,7 +202,7 @@ fn fragmentation(args: FragmentationArgs, fmt: Format) -> anyhow::Result<()> {
             .with_context(|| format!("writing the plot to {}", path.display()))?;
     }
     match fmt {
-        Format::Json => {
+        Format::Json | Format::Yaml => {
             let mut v = report.to_json();
             v["wall_s"] = json!((wall * 1000.0).round() / 1000.0);
             if let Some(path) = &args.plot {
@@ -210,7 +210,7 @@ fn fragmentation(args: FragmentationArgs, fmt: Format) -> anyhow::Result<()> {
             }
             println!("{v}");
         }
-        Format::Table => print!("{}", text(&report, wall, args.plot.as_ref())),
+        Format::Table | Format::Wide => print!("{}", text(&report, wall, args.plot.as_ref())),
     }
     Ok(())
 }

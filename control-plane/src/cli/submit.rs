@@ -95,9 +95,81 @@ pub struct SubmitArgs {
     /// omitted, so gpuctl's own retries are safe.
     #[arg(long)]
     pub idempotency_key: Option<String>,
+    /// Slurm's generic resource, per node: `gpu:N` or `gpu:TYPE:N` (N GPUs per task, TYPE a
+    /// GPU model).
+    #[arg(long, value_name = "gpu[:TYPE]:N")]
+    pub gres: Option<String>,
+    /// GPUs on each node (Slurm's `--gpus-per-node`): GPUs per task, one task per node.
+    #[arg(long, value_name = "N")]
+    pub gpus_per_node: Option<i64>,
+    /// Nodes (Slurm's `-N`): that many tasks, with `--gres`/`--gpus-per-node` GPUs each.
+    #[arg(long, short = 'N', value_name = "N")]
+    pub nodes: Option<i64>,
+    /// Write the job's stdout to this file on the host that runs it (sbatch's `-o`; `-o` is
+    /// gpuctl's output format). `%j` job id, `%t` task, `%N` node, `%x` job name, `%%` a `%`;
+    /// relative to the working directory. `gpuctl logs` still reads it.
+    #[arg(long, value_name = "FILE")]
+    pub stdout: Option<String>,
+    /// Write the job's stderr to this file (sbatch's `-e`; `-e` is gpuctl's `--env`).
+    #[arg(long, value_name = "FILE")]
+    pub stderr: Option<String>,
+    /// A batch script and its arguments (`gpuctl submit job.sh`, or `gpuctl sbatch job.sh`):
+    /// its `#SBATCH` lines are options (the command line's win), and the job runs its text.
+    /// (Everything after the script is the script's, as with sbatch.)
+    #[arg(
+        value_name = "SCRIPT",
+        conflicts_with = "command",
+        allow_hyphen_values = true,
+        num_args = 1..
+    )]
+    pub script: Vec<String>,
     /// The program and its arguments, after `--`.
-    #[arg(last = true, required = true, value_name = "COMMAND")]
+    #[arg(
+        last = true,
+        required_unless_present = "script",
+        value_name = "COMMAND"
+    )]
     pub command: Vec<String>,
+}
+
+/// Applies Slurm's per-node spellings (`-N`, `--gres`, `--gpus-per-node`) to tasks, GPUs
+/// per task and GPU models.
+fn apply_slurm_shape(args: &mut SubmitArgs) -> anyhow::Result<()> {
+    if let Some(gres) = &args.gres {
+        let (model, count) = parse_gres(gres)?;
+        args.gpus = count;
+        if let Some(model) = model {
+            args.gpu_models.push(model);
+        }
+    }
+    if let Some(n) = args.gpus_per_node {
+        args.gpus = n;
+    }
+    if let Some(n) = args.nodes {
+        args.tasks = n;
+    }
+    Ok(())
+}
+
+/// `gpu:N` or `gpu:TYPE:N` (Slurm's `--gres`); other resources are refused by name.
+pub fn parse_gres(text: &str) -> anyhow::Result<(Option<String>, i64)> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let count = |n: &str| {
+        n.parse::<i64>()
+            .ok()
+            .filter(|n| *n >= 0)
+            .with_context(|| format!("--gres {text:?}: {n:?} is not a GPU count"))
+    };
+    match parts.as_slice() {
+        ["gpu"] => Ok((None, 1)),
+        ["gpu", n] if n.parse::<i64>().is_ok() => Ok((None, count(n)?)),
+        ["gpu", model] => Ok((Some((*model).to_owned()), 1)),
+        ["gpu", model, n] => Ok((Some((*model).to_owned()), count(n)?)),
+        [other, ..] => bail!(
+            "--gres {text:?}: only GPUs are generic resources here (gpu[:TYPE]:N), not {other:?}"
+        ),
+        [] => bail!("--gres is empty"),
+    }
 }
 
 /// `--mount SRC:DST[:ro]` (`:rw` also accepted) as the API takes it.
@@ -135,7 +207,20 @@ fn generated_key() -> String {
     )
 }
 
-pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
+pub fn build_request(mut args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
+    apply_slurm_shape(&mut args)?;
+    if !args.script.is_empty() {
+        let path = &args.script[0];
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the batch script {path}"))?;
+        let name = std::path::Path::new(path)
+            .file_name()
+            .map_or(path.clone(), |n| n.to_string_lossy().into_owned());
+        args.command = super::batch_script::parse(&name, &text, &args.script[1..])?.command;
+        if args.name.is_none() {
+            args.name = Some(name);
+        }
+    }
     let time_limit_secs = match &args.time {
         Some(t) => parse_time_limit(t)? as i64,
         None => 0,
@@ -223,6 +308,8 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
             single_numa: args.single_numa,
             workdir,
             container,
+            stdout_path: args.stdout.unwrap_or_default(),
+            stderr_path: args.stderr.unwrap_or_default(),
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })
@@ -237,9 +324,107 @@ pub async fn run(client: &mut Client, args: SubmitArgs, fmt: Format) -> anyhow::
         })
         .await?;
     match fmt {
-        Format::Json => println!("{}", json!({"id": resp.id, "created": resp.created})),
+        Format::Json | Format::Yaml => {
+            println!("{}", json!({"id": resp.id, "created": resp.created}))
+        }
         Format::Table if resp.created => println!("Submitted job {}", resp.id),
-        Format::Table => println!("Job {} already exists for this idempotency key", resp.id),
+        Format::Table | Format::Wide => {
+            println!("Job {} already exists for this idempotency key", resp.id)
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gres_names_gpus_with_an_optional_model() {
+        assert_eq!(parse_gres("gpu:4").unwrap(), (None, 4));
+        assert_eq!(parse_gres("gpu:a100:2").unwrap(), (Some("a100".into()), 2));
+        assert_eq!(parse_gres("gpu").unwrap(), (None, 1));
+        assert_eq!(parse_gres("gpu:h100").unwrap(), (Some("h100".into()), 1));
+        let e = parse_gres("shard:4").unwrap_err().to_string();
+        assert!(e.contains("only GPUs") && e.contains("shard"), "{e}");
+        assert!(parse_gres("gpu:a100:-1").is_err());
+    }
+
+    fn parsed(args: &[&str]) -> pb::JobSpec {
+        use clap::Parser;
+        let cli = crate::cli::Cli::try_parse_from(["gpuctl", "submit"].iter().chain(args).copied())
+            .unwrap();
+        let crate::cli::Command::Submit(a) = cli.command else {
+            panic!("not a submit")
+        };
+        build_request(a).unwrap().spec.unwrap()
+    }
+
+    #[test]
+    fn slurms_per_node_spellings_set_tasks_gpus_and_models() {
+        let s = parsed(&["-N", "2", "--gres=gpu:h100:8", "--", "true"]);
+        assert_eq!((s.tasks, s.gpus_per_task), (2, 8));
+        assert_eq!(s.gpu_models, ["h100"]);
+        let s = parsed(&["--gpus-per-node", "4", "--", "true"]);
+        assert_eq!(s.gpus_per_task, 4);
+    }
+
+    #[test]
+    fn the_last_of_a_repeated_option_wins_so_the_command_line_beats_a_script() {
+        let s = parsed(&["-G", "2", "-J", "from-script", "-G", "1", "--", "true"]);
+        assert_eq!((s.gpus_per_task, s.name.as_str()), (1, "from-script"));
+    }
+
+    #[test]
+    fn a_batch_script_is_the_job_and_names_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("train.sh");
+        std::fs::write(&script, "#!/bin/sh\n#SBATCH -G 2\necho hi\n").unwrap();
+        let s = parsed(&[
+            "--stdout",
+            "out-%j",
+            script.to_str().unwrap(),
+            "a1",
+            "--lr",
+            "0.1",
+        ]);
+        assert_eq!(s.name, "train.sh");
+        assert_eq!(s.command[..2], ["/bin/sh".to_string(), "-c".to_string()]);
+        assert_eq!(
+            s.command[3..],
+            ["train.sh", "a1", "--lr", "0.1"].map(String::from)
+        );
+        assert_eq!(s.stdout_path, "out-%j");
+        // After the script, even gpuctl's own flags are the script's, as with sbatch.
+        let s = parsed(&[script.to_str().unwrap(), "-n", "3"]);
+        assert_eq!(s.tasks, 1);
+        assert_eq!(s.command[3..], ["train.sh", "-n", "3"].map(String::from));
+    }
+}
+
+#[cfg(test)]
+mod generated_docs_tests {
+    #[test]
+    fn completions_and_the_man_page_cover_the_commands() {
+        let mut bash = Vec::new();
+        clap_complete::generate(
+            clap_complete::Shell::Bash,
+            &mut <crate::cli::Cli as clap::CommandFactory>::command(),
+            "gpuctl",
+            &mut bash,
+        );
+        let bash = String::from_utf8(bash).unwrap();
+        for word in ["submit", "sbatch", "apply", "--gres", "--attempt"] {
+            assert!(bash.contains(word), "bash completion lacks {word}");
+        }
+        let mut man = Vec::new();
+        clap_mangen::Man::new(<crate::cli::Cli as clap::CommandFactory>::command())
+            .render(&mut man)
+            .unwrap();
+        let man = String::from_utf8(man).unwrap();
+        assert!(
+            man.contains(".TH gpuctl 1") && man.contains("submit"),
+            "{man}"
+        );
+    }
 }

@@ -82,11 +82,11 @@ pub async fn run(client: &mut Client, command: TokenCommand, fmt: Format) -> any
                 .await?;
             let token = resp.token.unwrap_or_default();
             match fmt {
-                Format::Json => println!(
+                Format::Json | Format::Yaml => println!(
                     "{}",
                     json!({"token": output::token_json(&token), "secret": resp.secret})
                 ),
-                Format::Table => {
+                Format::Table | Format::Wide => {
                     print!(
                         "{}",
                         output::tokens_table(std::slice::from_ref(&token), now_ms())
@@ -108,11 +108,13 @@ pub async fn run(client: &mut Client, command: TokenCommand, fmt: Format) -> any
                 })
                 .await?;
             match fmt {
-                Format::Json => println!(
+                Format::Json | Format::Yaml => println!(
                     "{}",
                     json!({"tokens": resp.tokens.iter().map(output::token_json).collect::<Vec<_>>()})
                 ),
-                Format::Table => print!("{}", output::tokens_table(&resp.tokens, now_ms())),
+                Format::Table | Format::Wide => {
+                    print!("{}", output::tokens_table(&resp.tokens, now_ms()))
+                }
             }
         }
         TokenCommand::Revoke { id } => {
@@ -126,8 +128,8 @@ pub async fn run(client: &mut Client, command: TokenCommand, fmt: Format) -> any
                 })
                 .await?;
             match fmt {
-                Format::Json => println!("{}", output::token_json(&token)),
-                Format::Table => println!("token {} revoked", token.id),
+                Format::Json | Format::Yaml => println!("{}", output::token_json(&token)),
+                Format::Table | Format::Wide => println!("token {} revoked", token.id),
             }
         }
     }
@@ -148,11 +150,11 @@ pub async fn audit(client: &mut Client, args: AuditArgs, fmt: Format) -> anyhow:
         .call(|mut c, t| async move { c.list_audit(with_timeout(req, t)).await })
         .await?;
     match fmt {
-        Format::Json => println!(
+        Format::Json | Format::Yaml => println!(
             "{}",
             json!({"records": resp.records.iter().map(output::audit_json).collect::<Vec<_>>()})
         ),
-        Format::Table => print!("{}", output::audit_table(&resp.records)),
+        Format::Table | Format::Wide => print!("{}", output::audit_table(&resp.records)),
     }
     Ok(())
 }
@@ -162,12 +164,12 @@ pub async fn whoami(client: &mut Client, fmt: Format) -> anyhow::Result<()> {
         .call(|mut c, t| async move { c.who_am_i(with_timeout(pb::WhoAmIRequest {}, t)).await })
         .await?;
     match fmt {
-        Format::Json => println!(
+        Format::Json | Format::Yaml => println!(
             "{}",
             json!({"principal": me.principal, "role": me.role, "tenant": me.tenant,
                    "from": me.from, "security_enforced": me.security_enforced})
         ),
-        Format::Table => {
+        Format::Table | Format::Wide => {
             let tenant = if me.tenant.is_empty() {
                 String::new()
             } else {

@@ -494,6 +494,8 @@ impl Gen {
             single_numa: r.chance(32),
             workdir: None,
             container: None,
+            stdout_path: None,
+            stderr_path: None,
         }
     }
 

@@ -101,6 +101,8 @@ fn record(id: u64, stop: bool, exit: Option<ExitKind>) -> Value {
         mig_cap_minors: Vec::new(),
         workdir: None,
         container: None,
+        stdout_path: None,
+        stderr_path: None,
         numa_node: None,
     };
     json!({

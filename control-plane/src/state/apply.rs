@@ -52,10 +52,17 @@ impl ClusterState {
             } => {
                 // An empty key is no key (protobuf's default string).
                 let key = idempotency_key.as_deref().filter(|k| !k.is_empty());
-                if spec.workdir.is_some() && !self.cluster_version.allows(2) {
-                    // Format 1 has no working directory; a format-1 replica would not keep it.
+                if (spec.workdir.is_some()
+                    || spec.stdout_path.is_some()
+                    || spec.stderr_path.is_some())
+                    && !self.cluster_version.allows(2)
+                {
+                    // Format 1 has no working directory nor output files; a format-1 replica
+                    // would not keep them.
                     let mut spec = spec.clone();
                     spec.workdir = None;
+                    spec.stdout_path = None;
+                    spec.stderr_path = None;
                     return self.submit(&spec, key, at, index, changed);
                 }
                 self.submit(spec, key, at, index, changed)

@@ -166,6 +166,12 @@ pub struct JobSpec {
     /// Format 2: refused while the cluster version is 1 (never run outside its container).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container: Option<ContainerSpec>,
+    /// Files that take its tasks' stdout and stderr (sbatch's `-o`/`-e` patterns). Format 2:
+    /// left out while the cluster version is 1 (the output then stays in the agent's logs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_path: Option<String>,
 }
 
 /// A job's container: its image and the host paths mounted into it.

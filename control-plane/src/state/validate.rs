@@ -155,6 +155,19 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
     if let Some(c) = &spec.container {
         validate_container(c)?;
     }
+    for (field, path) in [
+        ("stdout_path", &spec.stdout_path),
+        ("stderr_path", &spec.stderr_path),
+    ] {
+        if let Some(path) = path
+            && (path.is_empty() || path.len() > MAX_WORKDIR_LEN || path.contains('\0'))
+        {
+            return Err(Rejection::invalid(
+                field,
+                format!("must be 1 to {MAX_WORKDIR_LEN} bytes without a NUL byte"),
+            ));
+        }
+    }
     if spec.name.len() > MAX_NAME_LEN {
         return Err(Rejection::invalid(
             "name",

@@ -19,6 +19,7 @@ pub mod containers;
 pub mod control;
 mod devices;
 mod gpu_usage;
+mod output_files;
 pub mod reconcile;
 pub mod restart;
 mod service;
@@ -376,6 +377,16 @@ impl Agent {
                         continue;
                     }
                     let mut spec = launch_spec(&self.inventory, &self.mig_minors, &a);
+                    let names = output_files::TaskNames {
+                        job: a.job_id,
+                        task: a.task_index,
+                        node: &self.config.name,
+                        job_name: &a.job_name,
+                    };
+                    let workdir = spec.workdir.clone();
+                    let expand = |p: &str| output_files::expand(p, &names, workdir.as_deref());
+                    spec.stdout_path = (!a.stdout_path.is_empty()).then(|| expand(&a.stdout_path));
+                    spec.stderr_path = (!a.stderr_path.is_empty()).then(|| expand(&a.stderr_path));
                     if let Some(dir) = &self.device_dir {
                         // Where a simulated host's device nodes are (real hosts: /dev).
                         spec.env
@@ -607,6 +618,9 @@ fn launch_spec(
         workdir: (!a.workdir.is_empty()).then(|| PathBuf::from(&a.workdir)),
         numa_node: shared_numa_node(inventory, &a.gpus),
         container: a.container.as_ref().map(container_spec),
+        // Expanded by the caller, which knows the node.
+        stdout_path: None,
+        stderr_path: None,
     }
 }
 

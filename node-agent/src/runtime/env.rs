@@ -276,6 +276,8 @@ mod tests {
             workdir: None,
             numa_node: None,
             container: None,
+            stdout_path: None,
+            stderr_path: None,
         }
     }
 
@@ -494,6 +496,8 @@ mod tests {
                     workdir: None,
                     numa_node: None,
                     container: None,
+                    stdout_path: None,
+                    stderr_path: None,
                     ..share_spec(500, 100)
                 },
             ),

@@ -482,6 +482,8 @@ mod tests {
             workdir: None,
             numa_node: None,
             container: None,
+            stdout_path: None,
+            stderr_path: None,
         };
         let mut r = AllocationRecord::launching(spec, 1000);
         r.shim_pid = Some(4242);

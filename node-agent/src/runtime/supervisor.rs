@@ -146,6 +146,19 @@ impl Runtime {
             source,
         })?;
         let (stdout_log, stderr_log) = self.log_paths(id);
+        // Output files the job named: the logs become links to them, so `gpuctl logs` reads
+        // them too. One that cannot be created fails the launch, as sbatch fails the job.
+        for (wanted, log) in [
+            (&spec.stdout_path, &stdout_log),
+            (&spec.stderr_path, &stderr_log),
+        ] {
+            if let Some(file) = wanted {
+                link_output_file(file, log).map_err(|message| RuntimeError::InvalidSpec {
+                    allocation: id,
+                    message,
+                })?;
+            }
+        }
         // The shim's own diagnostics (cannot start the command, ...) go to the job's stderr
         // log, where the job's owner looks first.
         let shim_stderr = OpenOptions::new()
@@ -918,6 +931,19 @@ impl Runtime {
     }
 }
 
+/// Creates (or appends to) the job's output `file` and makes the allocation's `log` a link
+/// to it.
+fn link_output_file(file: &std::path::Path, log: &std::path::Path) -> Result<(), String> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(file)
+        .map_err(|e| format!("cannot open its output file {}: {e}", file.display()))?;
+    let _ = fs::remove_file(log);
+    std::os::unix::fs::symlink(file, log)
+        .map_err(|e| format!("cannot link {} to {}: {e}", log.display(), file.display()))
+}
+
 /// The cgroup of allocation `id`.
 fn cgroup_name(id: u64) -> String {
     format!("alloc-{id}")
@@ -1056,6 +1082,8 @@ mod tests {
             workdir: None,
             numa_node: None,
             container: None,
+            stdout_path: None,
+            stderr_path: None,
         }
     }
 

@@ -76,6 +76,12 @@ pub struct LaunchSpec {
     /// instead of as a process of the host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container: Option<super::container::ContainerSpec>,
+    /// Files that take the command's stdout and stderr instead of the allocation's own log
+    /// files (which then link to them, so the logs still read them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_path: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_path: Option<PathBuf>,
 }
 
 fn is_zero(v: &u64) -> bool {

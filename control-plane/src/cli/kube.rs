@@ -1,0 +1,286 @@
+//! Kubernetes habits: `gpuctl apply -f job.yaml`, `gpuctl get jobs [NAME]`, `gpuctl describe
+//! job NAME`, `gpuctl delete job NAME`, on `kind: GpuJob` manifests (`manifest.rs`).
+//!
+//! A manifest's job is found again by its name in its namespace (tenant). `apply` is
+//! idempotent by name: while a job of that name is pending or running, applying the same
+//! spec changes nothing and applying another spec is refused (a submitted job does not
+//! change: delete it and apply again). Once no job of that name is live, `apply` submits a
+//! new one (running the manifest again, as re-creating a Kubernetes Job does). `delete`
+//! cancels the live job of that name; `get NAME` shows the newest job of that name.
+
+use anyhow::{Context, bail};
+use proto::v1 as pb;
+use serde_json::json;
+
+use super::manifest;
+use super::output::{self, Format};
+use crate::client::{Client, with_timeout};
+
+#[derive(clap::Args, Debug)]
+pub struct ApplyArgs {
+    /// The manifest (`-` reads standard input).
+    #[arg(long, short = 'f', value_name = "FILE")]
+    pub filename: String,
+}
+
+/// What `get`/`describe`/`delete` act on.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resource {
+    #[value(alias = "jobs", alias = "gpujob", alias = "gpujobs")]
+    Job,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct GetArgs {
+    pub resource: Resource,
+    /// A job's name; none: every job that has not finished (with --all, every job).
+    pub name: Option<String>,
+    /// The tenant (Kubernetes' namespace).
+    #[arg(long, short = 'n', alias = "namespace")]
+    pub tenant: Option<String>,
+    /// Finished jobs too.
+    #[arg(long, short = 'A')]
+    pub all: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct NamedArgs {
+    pub resource: Resource,
+    pub name: String,
+    #[arg(long, short = 'n', alias = "namespace")]
+    pub tenant: Option<String>,
+}
+
+/// A key for this one `apply`, so gpuctl's own retries (across replicas, a failover) never
+/// submit it twice.
+fn idempotency_key(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("apply/{name}/{nanos:x}-{}", std::process::id())
+}
+
+fn is_live(job: &pb::Job) -> bool {
+    matches!(job.state.as_str(), "pending" | "scheduled" | "running")
+}
+
+/// Whether live job `job` is what `wanted` describes (its tenant counts only where the
+/// manifest names one).
+fn same_spec(job: &pb::Job, wanted: &pb::JobSpec) -> bool {
+    let Ok(mut have) = manifest::job_spec(&manifest::manifest_of(job)) else {
+        return false;
+    };
+    if wanted.tenant.is_empty() {
+        have.tenant.clear();
+    }
+    have == *wanted
+}
+
+pub async fn apply(client: &mut Client, args: ApplyArgs, fmt: Format) -> anyhow::Result<()> {
+    let text = if args.filename == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading the manifest from stdin")?
+    } else {
+        std::fs::read_to_string(&args.filename)
+            .with_context(|| format!("reading {}", args.filename))?
+    };
+    let m = manifest::parse(&text).with_context(|| args.filename.clone())?;
+    let spec = manifest::job_spec(&m).with_context(|| args.filename.clone())?;
+    let tenant = Some(spec.tenant.as_str()).filter(|t| !t.is_empty());
+    let live = jobs_named(client, Some(&m.metadata.name), tenant, false)
+        .await?
+        .into_iter()
+        .find(is_live);
+    if let Some(job) = live {
+        if !same_spec(&job, &spec) {
+            bail!(
+                "gpujob/{name} (job {id}) is {state} with a different spec, and a submitted job does not change: `gpuctl delete job {name}` and apply again",
+                name = m.metadata.name,
+                id = job.id,
+                state = job.state
+            );
+        }
+        match fmt {
+            Format::Json | Format::Yaml => println!(
+                "{}",
+                json!({"name": m.metadata.name, "id": job.id, "created": false})
+            ),
+            Format::Table | Format::Wide => {
+                println!("gpujob/{} unchanged (job {})", m.metadata.name, job.id)
+            }
+        }
+        return Ok(());
+    }
+    let req = pb::SubmitJobRequest {
+        spec: Some(spec),
+        idempotency_key: idempotency_key(&m.metadata.name),
+    };
+    let resp = client
+        .call(|mut c, t| {
+            let req = req.clone();
+            async move { c.submit_job(with_timeout(req, t)).await }
+        })
+        .await?;
+    match fmt {
+        Format::Json | Format::Yaml => println!(
+            "{}",
+            json!({"name": m.metadata.name, "id": resp.id, "created": true})
+        ),
+        Format::Table | Format::Wide => {
+            println!("gpujob/{} created (job {})", m.metadata.name, resp.id)
+        }
+    }
+    Ok(())
+}
+
+/// Jobs named `name` (every job when `None`) of `tenant`, newest first.
+async fn jobs_named(
+    client: &mut Client,
+    name: Option<&str>,
+    tenant: Option<&str>,
+    finished: bool,
+) -> anyhow::Result<Vec<pb::Job>> {
+    let req = pb::ListJobsRequest {
+        tenant: tenant.unwrap_or_default().to_owned(),
+        include_finished: finished || name.is_some(),
+        ..Default::default()
+    };
+    let mut jobs = client
+        .call(|mut c, t| {
+            let req = req.clone();
+            async move { c.list_jobs(with_timeout(req, t)).await }
+        })
+        .await?
+        .jobs;
+    if let Some(name) = name {
+        jobs.retain(|j| j.spec.as_ref().is_some_and(|s| s.name == name));
+    }
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
+    Ok(jobs)
+}
+
+/// The one job called `name`: the newest, which is what `apply` made last.
+async fn job_named(
+    client: &mut Client,
+    name: &str,
+    tenant: Option<&str>,
+) -> anyhow::Result<pb::Job> {
+    jobs_named(client, Some(name), tenant, true)
+        .await?
+        .into_iter()
+        .next()
+        .with_context(|| {
+            format!(
+                "no job named {name:?}{}",
+                tenant
+                    .map(|t| format!(" in tenant {t}"))
+                    .unwrap_or_default()
+            )
+        })
+}
+
+pub async fn get(client: &mut Client, args: GetArgs, fmt: Format) -> anyhow::Result<()> {
+    let jobs = jobs_named(
+        client,
+        args.name.as_deref(),
+        args.tenant.as_deref(),
+        args.all,
+    )
+    .await?;
+    if args.name.is_some() && jobs.is_empty() {
+        bail!("no job named {:?}", args.name.unwrap_or_default());
+    }
+    let jobs = if args.name.is_some() {
+        &jobs[..1]
+    } else {
+        &jobs[..]
+    };
+    match fmt {
+        Format::Json => println!(
+            "{}",
+            json!({"jobs": jobs.iter().map(output::job_json).collect::<Vec<_>>()})
+        ),
+        Format::Yaml => {
+            for (i, job) in jobs.iter().enumerate() {
+                if i > 0 {
+                    println!("---");
+                }
+                print!("{}", serde_norway::to_string(&manifest::manifest_of(job))?);
+            }
+        }
+        Format::Table | Format::Wide => {
+            let wide = fmt == Format::Wide;
+            let rows: Vec<Vec<String>> = jobs
+                .iter()
+                .map(|j| {
+                    let spec = j.spec.clone().unwrap_or_default();
+                    let mut row = vec![
+                        output::printable(&spec.name),
+                        j.state.to_uppercase(),
+                        format!("{}x{}", spec.tasks, spec.gpus_per_task),
+                        j.id.to_string(),
+                    ];
+                    if wide {
+                        let nodes: Vec<&str> =
+                            j.allocations.iter().map(|a| a.node.as_str()).collect();
+                        row.push(output::printable(&spec.tenant));
+                        row.push(if nodes.is_empty() {
+                            "-".into()
+                        } else {
+                            nodes.join(",")
+                        });
+                        row.push(
+                            spec.container
+                                .as_ref()
+                                .map_or("-".into(), |c| output::printable(&c.image)),
+                        );
+                    }
+                    row
+                })
+                .collect();
+            let mut headers = vec!["NAME", "STATUS", "TASKSxGPUS", "JOB"];
+            if wide {
+                headers.extend(["TENANT", "NODES", "IMAGE"]);
+            }
+            print!("{}", output::table(&headers, &rows));
+        }
+    }
+    Ok(())
+}
+
+pub async fn describe(client: &mut Client, args: NamedArgs, fmt: Format) -> anyhow::Result<()> {
+    let job = job_named(client, &args.name, args.tenant.as_deref()).await?;
+    match fmt {
+        Format::Json => println!("{}", output::job_json(&job)),
+        Format::Yaml => print!("{}", serde_norway::to_string(&manifest::manifest_of(&job))?),
+        Format::Table | Format::Wide => print!("{}", output::job_details(&job)),
+    }
+    Ok(())
+}
+
+pub async fn delete(client: &mut Client, args: NamedArgs, fmt: Format) -> anyhow::Result<()> {
+    let job = jobs_named(client, Some(&args.name), args.tenant.as_deref(), false)
+        .await?
+        .into_iter()
+        .find(is_live)
+        .with_context(|| format!("no pending or running job named {:?}", args.name))?;
+    let id = job.id;
+    client
+        .call(|mut c, t| async move {
+            c.cancel_job(with_timeout(
+                pb::CancelJobRequest {
+                    id,
+                    reason: "deleted (gpuctl delete)".into(),
+                },
+                t,
+            ))
+            .await
+        })
+        .await?;
+    match fmt {
+        Format::Json | Format::Yaml => {
+            println!("{}", json!({"name": args.name, "id": id, "deleted": true}))
+        }
+        Format::Table | Format::Wide => println!("gpujob/{} deleted (job {id})", args.name),
+    }
+    Ok(())
+}

@@ -88,6 +88,7 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
                 })
                 .collect(),
         }),
+        hold_if_unfit: spec.hold_if_unfit,
     })
 }
 
@@ -135,6 +136,7 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
                 })
                 .collect(),
         }),
+        hold_if_unfit: spec.hold_if_unfit,
     }
 }
 
@@ -188,6 +190,7 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             oom_kills: u.oom_kills,
             tasks_measured: u.tasks_measured,
         }),
+        pending_reason: String::new(),
     }
 }
 
@@ -239,6 +242,7 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
         version: 0,
         redacted: false,
         usage: None,
+        pending_reason: String::new(),
     }
 }
 
@@ -426,6 +430,7 @@ mod tests {
                     read_only: true,
                 }],
             }),
+            hold_if_unfit: true,
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

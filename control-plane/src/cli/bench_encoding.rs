@@ -832,6 +832,7 @@ fn spec_from(s: pb::JobSpec) -> Result<state::JobSpec, String> {
         workdir: s.workdir.clone(),
         // The mirror measures the fields every job has; containers are not in its sample.
         container: None,
+        hold_if_unfit: false,
     })
 }
 
@@ -1353,6 +1354,7 @@ mod tests {
             single_numa: true,
             workdir: Some("/home/ml/run".into()),
             container: None,
+            hold_if_unfit: false,
         };
         let token = TokenRecord {
             id: "0123456789abcdef".into(),

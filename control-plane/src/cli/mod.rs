@@ -28,6 +28,7 @@ pub mod replay;
 mod simulate;
 mod submit;
 mod tokens;
+mod why;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -88,6 +89,8 @@ pub enum Command {
     /// List jobs (pending and running by default).
     #[command(alias = "squeue", alias = "list")]
     Queue(QueueArgs),
+    /// Why a job is pending, and what would have to change for it to run.
+    Why { job: u64 },
     /// Show one job in detail.
     Show {
         job: u64,
@@ -364,6 +367,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 Format::Table => print!("{}", output::jobs_table(&resp.jobs, now_ms())),
             }
         }
+        Command::Why { job } => why::run(&mut client, job, fmt).await?,
         Command::Show { job, stale } => {
             let j = client
                 .call(|mut c, t| async move {

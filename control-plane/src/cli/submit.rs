@@ -85,6 +85,11 @@ pub struct SubmitArgs {
     /// SRC (its agent's --container-mount-prefix).
     #[arg(long = "mount", value_name = "SRC:DST[:ro]", requires = "image")]
     pub mounts: Vec<String>,
+    /// Accept the job even if no node could ever hold it (too many GPUs, CPUs or memory, an
+    /// empty partition, no container engine): it pends as `Unfit: ...` until a node that
+    /// fits joins. Without it such a job is refused with the reason.
+    #[arg(long)]
+    pub hold_if_unfit: bool,
     /// Dependencies: afterok:ID[:ID...],afterany:ID,afternotok:ID.
     #[arg(long, short = 'd')]
     pub dependency: Option<String>,
@@ -223,6 +228,7 @@ pub fn build_request(args: SubmitArgs) -> anyhow::Result<pb::SubmitJobRequest> {
             single_numa: args.single_numa,
             workdir,
             container,
+            hold_if_unfit: args.hold_if_unfit,
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })

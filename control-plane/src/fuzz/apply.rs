@@ -494,6 +494,7 @@ impl Gen {
             single_numa: r.chance(32),
             workdir: None,
             container: None,
+            hold_if_unfit: false,
         }
     }
 

@@ -13,6 +13,7 @@ mod failover;
 mod hostile_input;
 mod job_env;
 mod membership;
+mod pending_reasons;
 mod security;
 mod telemetry;
 mod util;

@@ -233,10 +233,10 @@ pub fn plan_explained(
             None => {
                 // Behind the head. Room for it now, kept only by the reservation, says
                 // "Reservation"; otherwise it waits its turn ("Priority"). The extra question
-                // is asked only of jobs that backfill turned away (`long`), and is a ranking
-                // lookup.
+                // is asked only of jobs that backfill turned away (`long`), and is answered
+                // from a cache until the fleet changes.
                 let head_id = head.as_ref().map_or(0, |(h, _)| h.id);
-                let why = if long && placer.best_for_task(&shape, false).is_some() {
+                let why = if long && placer.fits_ignoring_reservation(&shape) {
                     Why::Reservation { for_job: head_id }
                 } else {
                     Why::Priority { behind: head_id }

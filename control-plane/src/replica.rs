@@ -67,6 +67,10 @@ pub struct Replica {
     pub membership: MembershipSettings,
     /// The membership change this replica is carrying out, if any (one at a time).
     membership_busy: Mutex<Option<String>>,
+    /// Why pending jobs are pending, as the leader's last scheduling pass found: soft state,
+    /// never in the log (it changes every pass). Written by the scheduling loop while this
+    /// replica leads; read by the API, which shows it only for the term that wrote it.
+    pub pending_reasons: std::sync::RwLock<Option<Arc<crate::scheduler::Board>>>,
 }
 
 /// Holds `Replica::membership_busy` for one change; clears it when dropped.
@@ -179,6 +183,7 @@ impl Replica {
             peers: Arc::new(PeerState::default()),
             membership: MembershipSettings::default(),
             membership_busy: Mutex::new(None),
+            pending_reasons: std::sync::RwLock::new(None),
         }
     }
 
@@ -222,6 +227,31 @@ impl Replica {
     /// This replica's notion of now, in ms since the Unix epoch.
     pub fn now_ms(&self) -> u64 {
         self.clock.now_ms()
+    }
+
+    /// Publishes the reasons of a scheduling pass (leader only).
+    pub fn publish_reasons(&self, board: crate::scheduler::Board) {
+        let mut slot = self
+            .pending_reasons
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        *slot = Some(Arc::new(board));
+    }
+
+    /// The reasons of this leader's last pass, if this replica leads in the term that
+    /// computed them (a former leader's board is stale, a follower has none).
+    pub fn current_reasons(&self) -> Option<Arc<crate::scheduler::Board>> {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        if m.current_leader != Some(self.id) {
+            return None;
+        }
+        let board = self
+            .pending_reasons
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()?;
+        (board.term == m.current_term).then_some(board)
     }
 
     pub fn commit_index(&self) -> u64 {

@@ -14,6 +14,7 @@ mod hostile_input;
 mod job_env;
 mod kube;
 mod membership;
+mod pending_reasons;
 mod security;
 mod telemetry;
 mod util;

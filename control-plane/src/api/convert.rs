@@ -90,6 +90,7 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
         }),
         stdout_path: non_empty(spec.stdout_path),
         stderr_path: non_empty(spec.stderr_path),
+        hold_if_unfit: spec.hold_if_unfit,
     })
 }
 
@@ -139,6 +140,7 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
         }),
         stdout_path: spec.stdout_path.clone().unwrap_or_default(),
         stderr_path: spec.stderr_path.clone().unwrap_or_default(),
+        hold_if_unfit: spec.hold_if_unfit,
     }
 }
 
@@ -195,6 +197,7 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             gpu_peak_memory_bytes: u.gpu_peak_memory_bytes,
             gpu_samples: u.gpu_samples,
         }),
+        pending_reason: String::new(),
     }
 }
 
@@ -246,6 +249,7 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
         version: 0,
         redacted: false,
         usage: None,
+        pending_reason: String::new(),
     }
 }
 
@@ -435,6 +439,7 @@ mod tests {
             }),
             stdout_path: Some("out-%j.txt".into()),
             stderr_path: Some("/logs/%x-%j.err".into()),
+            hold_if_unfit: true,
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

@@ -18,6 +18,7 @@ use super::convert;
 use super::route::{current_leader_state, error_status, route};
 use crate::membership;
 use crate::replica::{ApiError, Replica};
+use crate::scheduler::reasons::{self, ShapeMemo};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
 use crate::state::{
     ClusterState, Command, GpuHealth, Job, JobState, NodeStatus, Outcome, Rejection,
@@ -90,6 +91,25 @@ fn job_view(caller: &Caller, job: &Job, cluster: &ClusterState) -> pb::Job {
         convert::redact_job(&mut view);
     }
     view
+}
+
+/// A pending job's reason as the leader's last pass found it. On a stale read from a follower
+/// (or a former leader) the reasons are not here: they are the leader's soft state.
+fn pending_reason(
+    r: &Replica,
+    stale: bool,
+    cluster: &ClusterState,
+    job: &Job,
+    memo: &mut ShapeMemo,
+) -> String {
+    if job.state != JobState::Pending {
+        return String::new();
+    }
+    let board = r.current_reasons();
+    if board.is_none() && stale {
+        return "reason known on the leader (read without --stale)".into();
+    }
+    reasons::explain(cluster, board.as_deref(), job, r.now_ms(), memo)
 }
 
 fn archived_view(caller: &Caller, job: &crate::state::ArchivedJob) -> pb::Job {
@@ -356,6 +376,13 @@ impl ControlPlane for ControlPlaneService {
                         .and_then(|k| data.cluster.job_for_key(&spec.tenant, k));
                     if known.is_none() {
                         data.cluster.check_submission(&spec)?;
+                        // A job no node could ever hold is refused with the reason, unless
+                        // held (`hold_if_unfit`); checked here only, see `admission_refusal`.
+                        if let Some(refusal) =
+                            crate::scheduler::capacity::admission_refusal(&data.cluster, &spec)
+                        {
+                            return Err(refusal.into());
+                        }
                     }
                 }
                 match r
@@ -423,14 +450,19 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
+        let r = &self.replica;
+        let stale = request.get_ref().read.as_ref().is_some_and(|o| o.stale);
         read_route(
-            &self.replica,
+            r,
             request,
             Action::ReadJobs,
             |req| req.read,
             |caller, req, cluster| {
                 if let Some(j) = cluster.job(req.id) {
-                    return Ok(job_view(caller, j, cluster));
+                    let mut view = job_view(caller, j, cluster);
+                    let mut memo = ShapeMemo::default();
+                    view.pending_reason = pending_reason(r, stale, cluster, j, &mut memo);
+                    return Ok(view);
                 }
                 cluster
                     .archived
@@ -448,13 +480,17 @@ impl ControlPlane for ControlPlaneService {
         &self,
         request: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let r = &self.replica;
+        let stale = request.get_ref().read.as_ref().is_some_and(|o| o.stale);
         read_route(
-            &self.replica,
+            r,
             request,
             Action::ReadJobs,
             |req| req.read,
             |caller, req, cluster| {
                 let states = parse_states(&req.states)?;
+                // One diagnosis per shape of the listing, not per job.
+                let mut memo = ShapeMemo::default();
                 let jobs = cluster
                     .jobs
                     .values()
@@ -470,7 +506,11 @@ impl ControlPlane for ControlPlaneService {
                         req.partition.is_empty()
                             || j.spec.partition.as_deref() == Some(req.partition.as_str())
                     })
-                    .map(|j| job_view(caller, j, cluster))
+                    .map(|j| {
+                        let mut view = job_view(caller, j, cluster);
+                        view.pending_reason = pending_reason(r, stale, cluster, j, &mut memo);
+                        view
+                    })
                     .collect();
                 let archived = cluster
                     .archived
@@ -492,6 +532,41 @@ impl ControlPlane for ControlPlaneService {
                 Ok(pb::ListJobsResponse { jobs })
             },
             |ch, req| async move { ControlPlaneClient::new(ch).list_jobs(req).await },
+        )
+        .await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all, name = "rpc.WhyJob")]
+    async fn why_job(
+        &self,
+        request: Request<pb::WhyJobRequest>,
+    ) -> Result<Response<pb::WhyJobResponse>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |caller, req| async move {
+                caller.require(Action::ReadJobs)?;
+                // The reasons live on the leader only: a follower forwards the call.
+                current_leader_state(r).await?;
+                let board = r.current_reasons();
+                let data = r.sm.read_async().await;
+                let cluster = &data.cluster;
+                let Some(job) = cluster.job(req.id) else {
+                    return Err(Rejection::not_found(cluster.missing_job(req.id)).into());
+                };
+                let now = r.now_ms();
+                let mut memo = ShapeMemo::default();
+                let reason = reasons::explain(cluster, board.as_deref(), job, now, &mut memo);
+                let lines = reasons::why_lines(cluster, board.as_deref(), job, now);
+                Ok(pb::WhyJobResponse {
+                    id: job.id,
+                    state: job.state.as_str().to_owned(),
+                    reason,
+                    lines,
+                })
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).why_job(req).await },
         )
         .await
     }

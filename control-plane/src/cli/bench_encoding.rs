@@ -834,6 +834,7 @@ fn spec_from(s: pb::JobSpec) -> Result<state::JobSpec, String> {
         container: None,
         stdout_path: None,
         stderr_path: None,
+        hold_if_unfit: false,
     })
 }
 
@@ -1359,6 +1360,7 @@ mod tests {
             container: None,
             stdout_path: None,
             stderr_path: None,
+            hold_if_unfit: false,
         };
         let token = TokenRecord {
             id: "0123456789abcdef".into(),

@@ -32,6 +32,7 @@ pub mod replay;
 mod simulate;
 mod submit;
 mod tokens;
+mod why;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -110,6 +111,8 @@ pub enum Command {
     /// List jobs (pending and running by default).
     #[command(alias = "squeue", alias = "list")]
     Queue(QueueArgs),
+    /// Why a job is pending, and what would have to change for it to run.
+    Why { job: u64 },
     /// Show one job in detail.
     Show {
         job: u64,
@@ -470,6 +473,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
+        Command::Why { job } => why::run(&mut client, job, fmt).await?,
         Command::Show { job, stale } => {
             let j = client
                 .call(|mut c, t| async move {

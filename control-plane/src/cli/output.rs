@@ -139,6 +139,7 @@ pub fn job_json(j: &pb::Job) -> Value {
         "submitted_at_ms": j.submitted_at_ms,
         "version": j.version,
         "redacted": j.redacted,
+        "pending_reason": j.pending_reason,
         "history": j.history.iter().map(|h| json!({"at_ms": h.at_ms, "state": h.state, "reason": h.reason})).collect::<Vec<_>>(),
         "allocations": j.allocations.iter().map(|a| json!({
             "id": a.id, "node": a.node, "gpus": a.gpus, "term": a.term, "epoch": a.epoch, "created_at_ms": a.created_at_ms,
@@ -159,11 +160,16 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
         .map(|j| {
             let spec = j.spec.clone().unwrap_or_default();
             let nodes: Vec<&str> = j.allocations.iter().map(|a| a.node.as_str()).collect();
-            let reason = j
-                .history
-                .last()
-                .map(|h| h.reason.clone())
-                .unwrap_or_default();
+            // A pending job shows why it is pending (the leader's last pass), as squeue's
+            // NODELIST(REASON) does; others their last change.
+            let reason = if j.pending_reason.is_empty() {
+                j.history
+                    .last()
+                    .map(|h| h.reason.clone())
+                    .unwrap_or_default()
+            } else {
+                j.pending_reason.clone()
+            };
             vec![
                 j.id.to_string(),
                 printable(&spec.tenant),
@@ -213,6 +219,9 @@ pub fn job_details(j: &pb::Job) -> String {
     let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
     kv("Job:", j.id.to_string());
     kv("State:", j.state.to_uppercase());
+    if !j.pending_reason.is_empty() {
+        kv("Reason:", printable(&j.pending_reason));
+    }
     kv("Tenant:", printable(&spec.tenant));
     if j.redacted {
         kv(

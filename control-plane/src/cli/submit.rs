@@ -85,6 +85,11 @@ pub struct SubmitArgs {
     /// SRC (its agent's --container-mount-prefix).
     #[arg(long = "mount", value_name = "SRC:DST[:ro]", requires = "image")]
     pub mounts: Vec<String>,
+    /// Accept the job even if no node could ever hold it (too many GPUs, CPUs or memory, an
+    /// empty partition, no container engine): it pends as `Unfit: ...` until a node that
+    /// fits joins. Without it such a job is refused with the reason.
+    #[arg(long)]
+    pub hold_if_unfit: bool,
     /// Dependencies: afterok:ID[:ID...],afterany:ID,afternotok:ID.
     #[arg(long, short = 'd')]
     pub dependency: Option<String>,
@@ -310,6 +315,7 @@ pub fn build_request(mut args: SubmitArgs) -> anyhow::Result<pb::SubmitJobReques
             container,
             stdout_path: args.stdout.unwrap_or_default(),
             stderr_path: args.stderr.unwrap_or_default(),
+            hold_if_unfit: args.hold_if_unfit,
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })

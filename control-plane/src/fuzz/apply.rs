@@ -496,6 +496,7 @@ impl Gen {
             container: None,
             stdout_path: None,
             stderr_path: None,
+            hold_if_unfit: false,
         }
     }
 

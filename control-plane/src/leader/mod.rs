@@ -255,19 +255,37 @@ async fn schedule_once(
 ) -> Result<Pass, ApiError> {
     let started = Instant::now();
     let plan = off_runtime(|| {
-        let data = replica.sm.read();
-        // No node takes new work (none registered yet, or every one drained or down, as in a
-        // maintenance window): nothing can be placed, so nothing is worth preempting either.
-        // Skip the pass rather than hold the state lock over a queue that cannot move.
-        let schedulable = data
-            .cluster
-            .nodes
-            .values()
-            .any(|n| n.status == NodeStatus::Ready);
-        if !schedulable {
-            return scheduler::Plan::default();
-        }
-        scheduler::plan_with(&data.cluster, replica.now_ms(), policy)
+        let now = replica.now_ms();
+        let (plan, reasons) = {
+            let data = replica.sm.read();
+            // No node takes new work (none registered yet, or every one drained or down, as
+            // in a maintenance window): nothing can be placed, so nothing is worth preempting
+            // either. Skip the pass rather than hold the state lock over a queue that cannot
+            // move.
+            let schedulable = data
+                .cluster
+                .nodes
+                .values()
+                .any(|n| n.status == NodeStatus::Ready);
+            if schedulable {
+                let (plan, _, reasons) = scheduler::plan_explained(&data.cluster, now, policy);
+                (plan, reasons)
+            } else {
+                let reasons = scheduler::ReasonLog {
+                    no_ready_node: true,
+                    ..Default::default()
+                };
+                (scheduler::Plan::default(), reasons)
+            }
+        };
+        // Published after the state lock is released: the map is built while writes apply.
+        replica.publish_reasons(scheduler::Board::new(
+            term,
+            now,
+            reasons,
+            policy.max_jobs_per_pass,
+        ));
+        plan
     });
     let took = started.elapsed();
     if took >= SLOW_PASS {

@@ -19,6 +19,7 @@
 //!   reclaim its tenant's guaranteed quota from borrowers.
 
 mod backfill;
+pub mod capacity;
 mod fit;
 pub mod fleet;
 pub mod frag;
@@ -26,6 +27,7 @@ mod live;
 pub mod placement;
 mod preempt;
 pub mod queue;
+pub mod reasons;
 pub mod score;
 
 use serde::Serialize;
@@ -38,6 +40,7 @@ use frag::Workload;
 use placement::{Placer, Scorer, Shape, Units, unit_uuids};
 pub use preempt::Preemption;
 pub use queue::dependencies_met;
+pub use reasons::{Board, ReasonLog, Why};
 pub use score::ScorePolicy;
 
 /// Settings of the policy. One place for every default.
@@ -109,6 +112,19 @@ pub fn plan_with(state: &ClusterState, now: Timestamp, policy: &Policy) -> Plan 
 
 /// One scheduling pass, and where its time went.
 pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) -> (Plan, PassStats) {
+    let (plan, stats, _) = plan_explained(state, now, policy);
+    (plan, stats)
+}
+
+/// One scheduling pass, where its time went, and why each job it looked at and left pending
+/// is still pending (`reasons`: recorded as small values while the pass runs, put into words
+/// only when someone asks).
+pub fn plan_explained(
+    state: &ClusterState,
+    now: Timestamp,
+    policy: &Policy,
+) -> (Plan, PassStats, ReasonLog) {
+    let mut reasons = ReasonLog::default();
     let mut stats = PassStats::default();
     let mut clock = std::time::Instant::now();
     let lap = |clock: &mut std::time::Instant| {
@@ -136,6 +152,9 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
     // Every live allocation with its job and node, walked once and shared by the reservation
     // and the preemption search.
     let mut live: Option<Vec<live::LiveAllocation>> = None;
+    // Per shape and task count: whether no ready node could ever hold the job (asked only of
+    // jobs that would become the head).
+    let mut unfit: fleet::FastMap<(Shape, u32), bool> = fleet::FastMap::default();
     while let Some((job, tenant_id)) = queue.next_with_tenant() {
         stats.jobs_considered += 1;
         let t = tenant_id as usize;
@@ -150,6 +169,13 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
             let h =
                 *held[t].get_or_insert_with(|| state.gpu_milli_held_by_tenant(&job.spec.tenant));
             if h + job.spec.total_gpu_milli() > limit {
+                reasons.jobs.push((
+                    job.id,
+                    Why::Quota {
+                        held_milli: h,
+                        max_gpus: (limit / MILLI_PER_GPU) as u32,
+                    },
+                ));
                 continue;
             }
         }
@@ -179,7 +205,15 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
                     tasks: placed,
                 });
             }
+            // A job no ready node could ever hold (held with `hold_if_unfit`, or waiting for
+            // a node that is down) does not become the head: its reservation would never
+            // start, and it would take the reservation from a job that can run.
+            None if head.is_none() && never_fits_ready(&mut unfit, &placer, &shape, job) => {
+                reasons.jobs.push((job.id, Why::Unfit));
+            }
             None if head.is_none() => {
+                reasons.jobs.push((job.id, Why::Resources));
+                reasons.head = Some(job.id);
                 // The head's tenant keeps room under its limit for it: later jobs of the same
                 // tenant must not use it up, or the reservation would be void at its start.
                 if limit.is_some() {
@@ -196,9 +230,22 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
                 stats.reserve_us = started.elapsed().as_micros() as u64;
                 head = Some((job, shape));
             }
-            None => {}
+            None => {
+                // Behind the head. Room for it now, kept only by the reservation, says
+                // "Reservation"; otherwise it waits its turn ("Priority"). The extra question
+                // is asked only of jobs that backfill turned away (`long`), and is answered
+                // from a cache until the fleet changes.
+                let head_id = head.as_ref().map_or(0, |(h, _)| h.id);
+                let why = if long && placer.fits_ignoring_reservation(&shape) {
+                    Why::Reservation { for_job: head_id }
+                } else {
+                    Why::Priority { behind: head_id }
+                };
+                reasons.jobs.push((job.id, why));
+            }
         }
     }
+    reasons.jobs_considered = stats.jobs_considered;
     stats.place_us = lap(&mut clock).saturating_sub(stats.reserve_us);
     if policy.preemption
         && let Some((job, shape)) = &head
@@ -214,7 +261,26 @@ pub fn plan_with_stats(state: &ClusterState, now: Timestamp, policy: &Policy) ->
         plan.preemptions.push(p);
     }
     stats.preempt_us = lap(&mut clock);
-    (plan, stats)
+    (plan, stats, reasons)
+}
+
+/// Whether no ready node of the pass's fleet could ever hold every task of `job` (memoized per
+/// shape and task count).
+fn never_fits_ready(
+    memo: &mut fleet::FastMap<(Shape, u32), bool>,
+    placer: &Placer,
+    shape: &Shape,
+    job: &Job,
+) -> bool {
+    let key = (shape.clone(), job.spec.tasks);
+    if let Some(&answer) = memo.get(&key) {
+        return answer;
+    }
+    let nodes = placer.fleet.nodes.iter().map(|n| n.node);
+    let answer = !placer.fleet.nodes.is_empty()
+        && capacity::never_fits(nodes, shape, job.spec.tasks).is_some();
+    memo.insert(key, answer);
+    answer
 }
 
 /// The workload fragmentation is measured against: the shapes of pending work and of what
@@ -233,5 +299,7 @@ fn expected_workload(state: &ClusterState) -> Workload {
 
 #[cfg(test)]
 mod proptests;
+#[cfg(test)]
+mod reasons_tests;
 #[cfg(test)]
 mod tests;

@@ -417,6 +417,10 @@ pub struct Ranking {
     /// tasks, as of the fleet's `held_version`: every job asks about every held node, and
     /// their resources change only when a job lands on one.
     held: [Option<HeldFits>; 2],
+    /// Whether a task fits now when the reservation is ignored, as of (event count, held
+    /// version): for the pending reason of jobs backfill turns away, asked of every one of
+    /// them and changing only when the fleet does.
+    unreserved_fit: Option<((usize, u64), bool)>,
 }
 
 /// The fit of a task on each node held for the reservation (in index order), as of one
@@ -649,6 +653,23 @@ impl<'a> Placer<'a> {
             }
         }
         best.map(|(_, idx, fit)| (idx, fit.clone()))
+    }
+
+    /// Whether one task of `shape` fits now somewhere, the reservation ignored (held nodes
+    /// offer all they have free). The answer depends only on which fitting groups have
+    /// members (the event log) and on the held nodes (their version), so it is kept until
+    /// either changes.
+    pub fn fits_ignoring_reservation(&mut self, shape: &Shape) -> bool {
+        let id = self.ranking_id(shape);
+        let stamp = (self.fleet.events.len(), self.fleet.held_version());
+        if let Some((s, answer)) = self.rankings[id].unreserved_fit
+            && s == stamp
+        {
+            return answer;
+        }
+        let answer = self.best_for_task(shape, false).is_some();
+        self.rankings[id].unreserved_fit = Some((stamp, answer));
+        answer
     }
 
     /// Takes a task's units on a node (and on a reserved node, out of its shadow too when the

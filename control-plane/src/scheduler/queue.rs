@@ -18,8 +18,8 @@ use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 use super::fleet::FastMap;
 use crate::state::{
-    ClusterState, DependencyKind, Job, JobId, JobState, MILLI_PER_GPU, Timestamp, YIELD_LIMIT_MS,
-    priority_rank,
+    ClusterState, Dependency, DependencyKind, Job, JobId, JobState, MILLI_PER_GPU, Timestamp,
+    YIELD_LIMIT_MS, priority_rank,
 };
 
 /// The level only aging reaches; served first, in eligibility order.
@@ -27,17 +27,23 @@ pub const AGED_LEVEL: u8 = 3;
 
 /// Whether a pending job's dependencies allow it to start now.
 pub fn dependencies_met(state: &ClusterState, job: &Job) -> bool {
-    job.spec.dependencies.iter().all(|d| {
-        // Archived jobs answer too: a new job may depend on one that finished long ago.
-        let Some((dep, _)) = state.job_outcome(d.job) else {
-            return false;
-        };
-        match d.kind {
-            DependencyKind::AfterOk => dep == JobState::Succeeded,
-            DependencyKind::AfterAny => dep.is_final(),
-            DependencyKind::AfterNotOk => dep.is_final() && dep != JobState::Succeeded,
-        }
-    })
+    job.spec
+        .dependencies
+        .iter()
+        .all(|d| dependency_met(state, d))
+}
+
+/// Whether one dependency is met.
+pub fn dependency_met(state: &ClusterState, d: &Dependency) -> bool {
+    // Archived jobs answer too: a new job may depend on one that finished long ago.
+    let Some((dep, _)) = state.job_outcome(d.job) else {
+        return false;
+    };
+    match d.kind {
+        DependencyKind::AfterOk => dep == JobState::Succeeded,
+        DependencyKind::AfterAny => dep.is_final(),
+        DependencyKind::AfterNotOk => dep.is_final() && dep != JobState::Succeeded,
+    }
 }
 
 /// Whether a preempted job still stands aside for the job it was stopped for: that job is

@@ -224,6 +224,10 @@ impl ClusterState {
                 ),
             ));
         }
+        // Held if unfit: accepted whatever the nodes are, pending until one fits.
+        if spec.hold_if_unfit {
+            return self.check_dependencies(spec);
+        }
         if !self.nodes.is_empty() && spec.mig_profile.is_none() {
             let largest = self
                 .node_per_class()
@@ -244,6 +248,11 @@ impl ClusterState {
         if !self.nodes.is_empty() {
             self.check_some_node_fits(spec)?;
         }
+        self.check_dependencies(spec)
+    }
+
+    /// Every dependency names a job this state knows (kept whole or archived).
+    fn check_dependencies(&self, spec: &JobSpec) -> Result<(), Rejection> {
         for dep in &spec.dependencies {
             if self.job_outcome(dep.job).is_none() {
                 return Err(Rejection::invalid(

@@ -261,6 +261,8 @@ impl Command {
             Command::Attributed { command, .. } => command.introduced_in(),
             // Format 1 has no container: stripping it would run the job outside one.
             Command::SubmitJob { spec, .. } if spec.container.is_some() => 2,
+            // Format 1 refuses a job no node fits at apply; a format-2 replica holds it.
+            Command::SubmitJob { spec, .. } if spec.hold_if_unfit => 2,
             _ => format::LEGACY,
         }
     }

@@ -172,6 +172,16 @@ pub struct JobSpec {
     pub stdout_path: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stderr_path: Option<String>,
+    /// Accept the job even if no node of the cluster could ever hold it, and keep it pending
+    /// (reason `Unfit: ...`) until a node that fits joins. Without it such a job is refused
+    /// at submission. Format 2: refused while the cluster version is 1 (a format-1 replica
+    /// would refuse the job at apply where this one accepts it).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub hold_if_unfit: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// A job's container: its image and the host paths mounted into it.

@@ -67,6 +67,8 @@ pub struct Replica {
     pub membership: MembershipSettings,
     /// The membership change this replica is carrying out, if any (one at a time).
     membership_busy: Mutex<Option<String>>,
+    /// Prometheus series (`metrics`); disabled unless `--metrics-listen` is given.
+    pub metrics: Arc<crate::metrics::ReplicaMetrics>,
 }
 
 /// Holds `Replica::membership_busy` for one change; clears it when dropped.
@@ -179,11 +181,17 @@ impl Replica {
             peers: Arc::new(PeerState::default()),
             membership: MembershipSettings::default(),
             membership_busy: Mutex::new(None),
+            metrics: Arc::new(crate::metrics::ReplicaMetrics::disabled()),
         }
     }
 
     /// The same replica sharing `peers` with its Raft network and peer service, and changing
     /// membership with `settings`.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::ReplicaMetrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
     pub fn with_membership(mut self, peers: Arc<PeerState>, settings: MembershipSettings) -> Self {
         self.peers = peers;
         self.membership = settings;

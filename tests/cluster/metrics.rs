@@ -229,7 +229,11 @@ async fn prometheus_scrapes_replicas_and_agents_and_the_series_move() {
 
     step("Prometheus scrapes all four targets, with the shipped alerting rules loaded");
     let dir = tempfile::tempdir().unwrap();
-    let prom = Prometheus::start(dir.path(), &replica_metrics, &[agent_metrics.clone()]);
+    let prom = Prometheus::start(
+        dir.path(),
+        &replica_metrics,
+        std::slice::from_ref(&agent_metrics),
+    );
     prom.wait_targets_up(4, Duration::from_secs(60)).await;
     let wait = Duration::from_secs(30);
     prom.wait_for("sum(gpucp_raft_is_leader)", wait, |v| v == 1.0)

@@ -110,7 +110,7 @@ pub fn rejection_reason(reason: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{Command, NodeSpec};
+    use crate::state::Command;
 
     #[test]
     fn rejection_reasons_are_a_small_set() {
@@ -128,17 +128,27 @@ mod tests {
         }
     }
 
-    /// One DGX H100 (8 GPUs), three 2-GPU jobs submitted and one 8-GPU job that cannot fit
+    /// One DGX H100 (8 GPUs), three 2-GPU jobs of one tenant and then an 8-GPU job that cannot fit
     /// once they run; the plan placed and applied.
     #[test]
     fn queue_depth_nodes_gpus_and_fragmentation_follow_the_state() {
         use crate::synthetic::{Driver, job_spec, node_from_preset, submit_all};
         let mut d = Driver::new(1_000);
         let spec = node_from_preset("dgx-h100", "n1", None, BTreeMap::new()).unwrap();
-        assert!(matches!(
+        assert_eq!(
             d.apply(&Command::RegisterNode { spec }),
-            crate::state::Outcome::Done
-        ));
+            crate::state::Outcome::NodeRegistered
+        );
+        for t in ["t0"] {
+            d.apply(&Command::PutTenant {
+                tenant: crate::state::Tenant {
+                    name: t.into(),
+                    weight: 1,
+                    quota_gpus: 8,
+                    max_gpus: 0,
+                },
+            });
+        }
         let idle = levels(&d.state);
         assert_eq!(idle.nodes.get("ready"), Some(&1));
         assert_eq!(idle.gpus.values().sum::<u64>(), 8);
@@ -149,17 +159,13 @@ mod tests {
 
         let jobs: Vec<_> = (0..3)
             .map(|i| job_spec(i, 0, (2, 1, 0), "normal", 600))
-            .chain([job_spec(3, 1, (8, 1, 0), "normal", 600)])
+            .chain([job_spec(3, 0, (8, 1, 0), "normal", 600)])
             .collect();
         submit_all(&mut d, &jobs).unwrap();
         let queued = levels(&d.state);
         assert_eq!(
             queued.jobs.get(&("pending", "t0".into(), String::new())),
-            Some(&3)
-        );
-        assert_eq!(
-            queued.jobs.get(&("pending", "t1".into(), String::new())),
-            Some(&1)
+            Some(&4)
         );
 
         let plan = crate::scheduler::plan(&d.state, d.now);
@@ -174,7 +180,7 @@ mod tests {
             Some(&3)
         );
         assert_eq!(
-            placed.jobs.get(&("pending", "t1".into(), String::new())),
+            placed.jobs.get(&("pending", "t0".into(), String::new())),
             Some(&1)
         );
         let by = |what| {

@@ -103,6 +103,10 @@ pub async fn run(
     let listener = TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let metrics_listener = match &config.metrics_listen {
+        Some(addr) => Some(node_agent::observe::bind(addr).await?),
+        None => None,
+    };
 
     let raft_config = Arc::new(config.tuning.openraft_config(&config.cluster)?);
     let peers = Arc::new(PeerState::for_timing(
@@ -168,8 +172,8 @@ pub async fn run(
         config.leader.clone(),
     ))
     .max_decoding_message_size(MAX_REQUEST_BYTES);
-    let metrics_port = match &config.metrics_listen {
-        Some(addr) => {
+    let metrics_port = match metrics_listener {
+        Some(listener) => {
             let state = crate::http::HttpState {
                 replica: replica.clone(),
                 metrics: metrics.clone(),
@@ -178,7 +182,7 @@ pub async fn run(
                 agent_heartbeat: config.leader.agent_heartbeat,
             };
             let (bound, task) =
-                node_agent::observe::serve(addr, crate::http::router(state)).await?;
+                node_agent::observe::serve_on(listener, crate::http::router(state))?;
             tracing::info!(%bound, "metrics and probes on http://{bound}/metrics");
             Some((
                 task,

@@ -345,6 +345,37 @@ async fn prometheus_scrapes_replicas_and_agents_and_the_series_move() {
         .await;
     prom.wait_for("sum(gpucp_ready)", wait, |v| v == 3.0).await;
 
+    step("every query of the shipped Grafana dashboard is valid PromQL");
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/gpu-control-plane.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t["expr"].as_str().map(str::to_owned))
+        .collect();
+    assert!(exprs.len() >= 20, "{exprs:?}");
+    let mut empty = Vec::new();
+    for e in &exprs {
+        let v = prom
+            .get_json(&format!("/api/v1/query?query={}", encode_query(e)))
+            .await;
+        assert!(
+            v.as_ref().is_some_and(|v| v["status"] == "success"),
+            "dashboard query {e:?} failed: {v:?}"
+        );
+        if v.is_some_and(|v| v["data"]["result"].as_array().is_none_or(|r| r.is_empty())) {
+            empty.push(e.clone());
+        }
+    }
+    println!("dashboard queries with no data yet (nothing of that kind happened): {empty:#?}");
+
     step(
         "every shipped alerting rule evaluates without error, and none fires on a healthy cluster",
     );
@@ -376,6 +407,26 @@ async fn prometheus_scrapes_replicas_and_agents_and_the_series_move() {
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+
+    step("an Xid on a GPU shows on the agent, on the leader and in the GPU states");
+    let (ok, out, err) = gpuctl(&c, &["node", "inject", "h1", "--gpu", "7", "--xid", "48"]);
+    assert!(ok, "injecting an Xid failed: {out}{err}");
+    prom.wait_for(
+        r#"sum(gpucp_agent_gpu_xid_events_total{code="48"})"#,
+        wait,
+        |v| v == 1.0,
+    )
+    .await;
+    prom.wait_for("min(gpucp_agent_gpu_healthy)", wait, |v| v == 0.0)
+        .await;
+    prom.wait_for(
+        r#"sum(gpucp_gpu_xid_reports_total{code="48"})"#,
+        wait,
+        |v| v == 1.0,
+    )
+    .await;
+    prom.wait_for(r#"max(gpucp_gpus{state="unhealthy"})"#, wait, |v| v == 1.0)
+        .await;
 }
 
 /// The shipped rules file passes `promtool check rules`.

@@ -26,25 +26,24 @@ pub struct Levels {
 
 pub fn levels(state: &ClusterState) -> Levels {
     let mut l = Levels::default();
-    let mut count = |job: &crate::state::Job| {
+    // The pending index and the live allocations, not every job record (a million finished
+    // jobs would otherwise be walked on every scrape); counted under borrowed names, owned once
+    // per distinct key, so a long queue costs no allocation per job.
+    let mut jobs: BTreeMap<(&'static str, &str, &str), u64> = BTreeMap::new();
+    for job in state.pending_jobs().chain(state.jobs_with_allocations()) {
         let s = match job.state {
             JobState::Pending => "pending",
             JobState::Scheduled => "scheduled",
             JobState::Running => "running",
-            _ => return,
+            _ => continue,
         };
-        *l.jobs
-            .entry((
-                s,
-                job.spec.tenant.clone(),
-                job.spec.partition.clone().unwrap_or_default(),
-            ))
-            .or_default() += 1;
-    };
-    // The pending index and the live allocations, not every job record: a million finished
-    // jobs would otherwise be walked on every scrape.
-    state.pending_jobs().for_each(&mut count);
-    state.jobs_with_allocations().for_each(&mut count);
+        let partition = job.spec.partition.as_deref().unwrap_or("");
+        *jobs.entry((s, &job.spec.tenant, partition)).or_default() += 1;
+    }
+    l.jobs = jobs
+        .into_iter()
+        .map(|((s, t, p), n)| ((s, t.to_owned(), p.to_owned()), n))
+        .collect();
     l.pending_by_reason = pending_reasons(state);
     for n in state.nodes.values() {
         *l.nodes.entry(n.status.as_str()).or_default() += 1;

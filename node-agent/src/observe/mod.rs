@@ -25,9 +25,21 @@ pub async fn serve(
     addr: &str,
     router: axum::Router,
 ) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
-    let listener = TcpListener::bind(addr)
+    serve_on(bind(addr).await?, router)
+}
+
+/// Binds the metrics address, for a process that must bind before it has built its routes.
+pub async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
         .await
-        .with_context(|| format!("cannot listen on {addr} for metrics (--metrics-listen)"))?;
+        .with_context(|| format!("cannot listen on {addr} for metrics (--metrics-listen)"))
+}
+
+/// Serves `router` on a bound listener until the task is aborted.
+pub fn serve_on(
+    listener: TcpListener,
+    router: axum::Router,
+) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
     let bound = listener.local_addr().context("metrics listener address")?;
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router).await {

@@ -138,16 +138,14 @@ mod tests {
             d.apply(&Command::RegisterNode { spec }),
             crate::state::Outcome::NodeRegistered
         );
-        for t in ["t0"] {
-            d.apply(&Command::PutTenant {
-                tenant: crate::state::Tenant {
-                    name: t.into(),
-                    weight: 1,
-                    quota_gpus: 8,
-                    max_gpus: 0,
-                },
-            });
-        }
+        d.apply(&Command::PutTenant {
+            tenant: crate::state::Tenant {
+                name: "t0".into(),
+                weight: 1,
+                quota_gpus: 8,
+                max_gpus: 0,
+            },
+        });
         let idle = levels(&d.state);
         assert_eq!(idle.nodes.get("ready"), Some(&1));
         assert_eq!(idle.gpus.values().sum::<u64>(), 8);

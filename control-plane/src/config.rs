@@ -236,6 +236,11 @@ pub struct ReplicaArgs {
     /// the API services' names, liveness as `liveness` (docs: deploy/kubernetes/README.md).
     #[arg(long, value_name = "HOST:PORT")]
     pub health_listen: Option<String>,
+    /// Serve Prometheus metrics (`/metrics`) and HTTP probes (`/healthz`: alive, `/readyz`:
+    /// a ready member that knows its leader) in plaintext on this address, e.g. 0.0.0.0:9400.
+    /// Off unless given; off, the replica records no metrics at all.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     /// `cluster add` promotes a learner once it is at most this many entries behind...
     #[arg(long, value_name = "ENTRIES")]
     pub promote_max_lag: Option<u64>,
@@ -278,6 +283,8 @@ pub struct ReplicaConfig {
     pub otlp_endpoint: Option<String>,
     /// Plaintext address serving only the gRPC health protocol (for probes).
     pub health_listen: Option<String>,
+    /// Plaintext HTTP address for metrics and probes (`http`).
+    pub metrics_listen: Option<String>,
     pub security: TransportSecurity,
     pub membership: crate::membership::MembershipSettings,
 }
@@ -519,6 +526,7 @@ impl ReplicaArgs {
             },
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
             health_listen: self.health_listen.or(file.health_listen),
+            metrics_listen: self.metrics_listen.or(file.metrics_listen),
             security,
             membership: crate::membership::MembershipSettings {
                 max_lag: self

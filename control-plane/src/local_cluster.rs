@@ -35,6 +35,8 @@ pub struct ReplicaProcess {
     /// Runs this replica instead of the cluster's program (same leading arguments), from its
     /// next start on: a rolling upgrade has two versions side by side.
     pub program: Option<PathBuf>,
+    /// Given as `--metrics-listen` from its next start on (none: metrics off).
+    pub metrics_addr: Option<String>,
     child: Option<Child>,
 }
 
@@ -148,6 +150,7 @@ impl LocalCluster {
                     data_dir: root.join(format!("replica-{id}")),
                     log_path: root.join(format!("replica-{id}.log")),
                     program: None,
+                    metrics_addr: None,
                     child: None,
                 },
             );
@@ -409,6 +412,7 @@ impl LocalCluster {
                 data_dir: self.root.join(format!("replica-{id}")),
                 log_path: self.root.join(format!("replica-{id}.log")),
                 program: None,
+                metrics_addr: None,
                 child: None,
             },
         );
@@ -429,6 +433,7 @@ impl LocalCluster {
                 data_dir: self.root.join(format!("replica-{id}")),
                 log_path: self.root.join(format!("replica-{id}.log")),
                 program: None,
+                metrics_addr: None,
                 child: None,
             },
         );
@@ -483,6 +488,11 @@ impl LocalCluster {
             .arg(&r.data_dir)
             .args(&security)
             .args(&self.extra_args)
+            .args(
+                r.metrics_addr
+                    .iter()
+                    .flat_map(|a| ["--metrics-listen", a.as_str()]),
+            )
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(source_env(self.bind_source, &r.addr))
             .stdin(Stdio::null())

@@ -71,6 +71,8 @@ pub struct Replica {
     /// never in the log (it changes every pass). Written by the scheduling loop while this
     /// replica leads; read by the API, which shows it only for the term that wrote it.
     pub pending_reasons: std::sync::RwLock<Option<Arc<crate::scheduler::Board>>>,
+    /// Prometheus series (`metrics`); disabled unless `--metrics-listen` is given.
+    pub metrics: Arc<crate::metrics::ReplicaMetrics>,
 }
 
 /// Holds `Replica::membership_busy` for one change; clears it when dropped.
@@ -184,11 +186,17 @@ impl Replica {
             membership: MembershipSettings::default(),
             membership_busy: Mutex::new(None),
             pending_reasons: std::sync::RwLock::new(None),
+            metrics: Arc::new(crate::metrics::ReplicaMetrics::disabled()),
         }
     }
 
     /// The same replica sharing `peers` with its Raft network and peer service, and changing
     /// membership with `settings`.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::ReplicaMetrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
     pub fn with_membership(mut self, peers: Arc<PeerState>, settings: MembershipSettings) -> Self {
         self.peers = peers;
         self.membership = settings;

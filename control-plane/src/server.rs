@@ -88,7 +88,13 @@ pub async fn run(
         None => None,
     };
     let dir = DataDir::open(&config.data_dir, &config.cluster, config.id)?;
-    let log = LogStore::open(&dir.db).map_err(|e| dir.corrupt(e.to_string()))?;
+    let metrics = Arc::new(match config.metrics_listen {
+        Some(_) => crate::metrics::ReplicaMetrics::enabled(config.id),
+        None => crate::metrics::ReplicaMetrics::disabled(),
+    });
+    let log = LogStore::open(&dir.db)
+        .map_err(|e| dir.corrupt(e.to_string()))?
+        .with_flush_histogram(metrics.log_flush_histogram());
     log.verify().map_err(|e| dir.corrupt(e))?;
     let sm = StateMachineStore::open(&dir.db).map_err(|e| dir.corrupt(e))?;
     let committed = log.committed_index();
@@ -97,6 +103,10 @@ pub async fn run(
     let listener = TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let metrics_listener = match &config.metrics_listen {
+        Some(addr) => Some(node_agent::observe::bind(addr).await?),
+        None => None,
+    };
 
     let raft_config = Arc::new(config.tuning.openraft_config(&config.cluster)?);
     let peers = Arc::new(PeerState::for_timing(
@@ -124,7 +134,8 @@ pub async fn run(
             transport.clone(),
             security.clone(),
         )
-        .with_membership(peers.clone(), config.membership.clone()),
+        .with_membership(peers.clone(), config.membership.clone())
+        .with_metrics(metrics.clone()),
     );
     let removal_watcher = crate::membership::spawn_watcher(replica.clone());
     let health_reporter = health.spawn_reporter(
@@ -161,6 +172,25 @@ pub async fn run(
         config.leader.clone(),
     ))
     .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let metrics_port = match metrics_listener {
+        Some(listener) => {
+            let state = crate::http::HttpState {
+                replica: replica.clone(),
+                metrics: metrics.clone(),
+                liveness: liveness.clone(),
+                health: crate::health::HealthSettings::for_config(&config),
+                agent_heartbeat: config.leader.agent_heartbeat,
+            };
+            let (bound, task) =
+                node_agent::observe::serve_on(listener, crate::http::router(state))?;
+            tracing::info!(%bound, "metrics and probes on http://{bound}/metrics");
+            Some((
+                task,
+                crate::metrics::spawn_leader_watch(raft.clone(), metrics.clone()),
+            ))
+        }
+        None => None,
+    };
     let leader_loops = crate::leader::spawn(replica.clone(), liveness, config.leader.clone());
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
@@ -224,6 +254,10 @@ pub async fn run(
     health_reporter.abort();
     if let Some(h) = health_port {
         h.abort();
+    }
+    if let Some((port, watch)) = metrics_port {
+        port.abort();
+        watch.abort();
     }
     if let Some(r) = reloader {
         r.abort();

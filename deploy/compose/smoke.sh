@@ -68,6 +68,7 @@ tmp="$(mktemp -d "${TMPDIR:-/tmp}/gpucp-smoke.XXXXXX")"
 export GPUCP_TLS_DIR="$tmp/tls"
 # Empty: Docker picks free ports on 127.0.0.1; read back with `port`.
 export GPUCP_CP1_PORT="" GPUCP_CP2_PORT="" GPUCP_CP3_PORT=""
+export GPUCP_CP1_METRICS_PORT="" GPUCP_CP2_METRICS_PORT="" GPUCP_CP3_METRICS_PORT=""
 compose=("${dc[@]}" -p "$project" -f "$here/docker-compose.yml")
 images_built=""
 started=""

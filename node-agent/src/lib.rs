@@ -7,9 +7,11 @@
 //! - `health/`: Xid error classification (which faults fail a job, which make a GPU unhealthy).
 //! - `runtime/`: launching, supervising, stopping and re-adopting workload processes.
 //! - `agent/`: the main loop — register, heartbeat, follow assignments, report, self-fence.
+//! - `observe/`: the metrics and health HTTP port, shared with the replicas.
 
 pub mod agent;
 pub mod cgroup;
 pub mod gpu;
 pub mod health;
+pub mod observe;
 pub mod runtime;

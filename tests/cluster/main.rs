@@ -1,6 +1,7 @@
 //! Black-box tests of real multi-process control planes on loopback: three (or more)
 //! `control-plane` processes, driven through the gRPC client and `gpuctl`, with SIGKILLs,
-//! restarts, wiped data directories and membership changes.
+//! restarts, wiped data directories and membership changes; `metrics` also runs a real
+//! Prometheus against them.
 
 mod agent_restart;
 mod agents;
@@ -14,6 +15,7 @@ mod hostile_input;
 mod job_env;
 mod kube;
 mod membership;
+mod metrics;
 mod pending_reasons;
 mod security;
 mod telemetry;

@@ -466,10 +466,21 @@ impl AgentApi for AgentService {
                     }
                 }
                 let with_usage = r.sm.cluster_version() >= 2;
+                let event = pa::allocation_report::Event::try_from(req.event).ok();
                 let command = report_command(req, with_usage)?;
                 match r.write(command.by(caller.actor())).await? {
-                    Outcome::Done
-                    | Outcome::Rejected(Rejection {
+                    Outcome::Done => {
+                        // Counted where the entry was written (the leader), once per report
+                        // that changed the state: a retried report answers NotFound below.
+                        if let Some(e) =
+                            event.filter(|e| *e != pa::allocation_report::Event::Started)
+                        {
+                            r.metrics
+                                .task_exit(node_agent::agent::metrics::exit_kind(e));
+                        }
+                        Ok(pa::ReportResponse {})
+                    }
+                    Outcome::Rejected(Rejection {
                         kind: crate::state::RejectKind::NotFound,
                         ..
                     }) => Ok(pa::ReportResponse {}),
@@ -493,6 +504,7 @@ impl AgentApi for AgentService {
             request,
             |caller, req| async move {
                 caller.require_node(&req.node)?;
+                r.metrics.xid_report(req.xid);
                 let health = if req.healthy {
                     GpuHealth::Healthy
                 } else {

@@ -341,7 +341,8 @@ impl ControlPlane for ControlPlaneService {
         request: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobResponse>, Status> {
         let r = &self.replica;
-        route(
+        let started = std::time::Instant::now();
+        let answer = route(
             r,
             request,
             |caller, req| async move {
@@ -397,7 +398,12 @@ impl ControlPlane for ControlPlaneService {
             },
             |ch, req| async move { ControlPlaneClient::new(ch).submit_job(req).await },
         )
-        .await
+        .await;
+        // Accepted submissions only: a refusal's latency says nothing about the write path.
+        if answer.is_ok() {
+            r.metrics.submitted(started.elapsed());
+        }
+        answer
     }
 
     #[tracing::instrument(level = "info", skip_all, name = "rpc.CancelJob")]

@@ -95,6 +95,10 @@ pub enum BenchCommand {
         /// (no snapshots during the run).
         #[arg(long)]
         encoding_compare: bool,
+        /// Run twice, with every replica's metrics exporter on (`--metrics-listen`, scraped
+        /// every second) and off, on fresh clusters, and report both and their ratio.
+        #[arg(long)]
+        metrics_compare: bool,
     },
     /// Submission latency at fixed offered rates (open loop) through three replicas.
     Submit {
@@ -124,6 +128,10 @@ pub enum BenchCommand {
         /// tls, insecure, or both (`tls,insecure`: side by side, each on a fresh cluster).
         #[arg(long, value_enum, default_value = "tls", value_delimiter = ',')]
         security: Vec<Security>,
+        /// Run twice, with every replica's metrics exporter on (`--metrics-listen`, scraped
+        /// every second) and off, on fresh clusters, and report both and their ratio.
+        #[arg(long)]
+        metrics_compare: bool,
     },
     /// One scheduling pass, in process, on synthetic fleets (no replicas started).
     Scheduler {
@@ -330,22 +338,47 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
     if modes.is_empty() {
         anyhow::bail!("--security must name tls, insecure or both");
     }
+    let metrics_compare = matches!(
+        command,
+        BenchCommand::Placement {
+            metrics_compare: true,
+            ..
+        } | BenchCommand::Submit {
+            metrics_compare: true,
+            ..
+        }
+    );
+    // With --metrics-compare each mode runs with the exporter on, then off: the ratio is
+    // on / off (below 1: metrics cost throughput). The first run of a process pays for cold
+    // caches, so the order favours "off" if anything.
+    let exporter: &[bool] = if metrics_compare {
+        &[true, false]
+    } else {
+        &[false]
+    };
     let mut reports = Vec::new();
     for &mode in &modes {
-        // Each mode on a cluster of its own, one after the other, so they share the machine's
-        // state (caches, other load) as closely as two runs can.
-        let root = if modes.len() == 1 {
-            dir.clone()
-        } else {
-            dir.join(mode.name())
-        };
-        let report = run_on_cluster(&command, &root, mode)?;
-        reports.push((mode, report));
+        for &metrics in exporter {
+            let name = match (metrics_compare, metrics) {
+                (false, _) => mode.name().to_owned(),
+                (true, true) => format!("{}+metrics", mode.name()),
+                (true, false) => format!("{}-no-metrics", mode.name()),
+            };
+            // Each variant on a cluster of its own, one after the other, so they share the
+            // machine's state (caches, other load) as closely as two runs can.
+            let root = if modes.len() * exporter.len() == 1 {
+                dir.clone()
+            } else {
+                dir.join(&name)
+            };
+            let report = run_on_cluster(&command, &root, mode, metrics)?;
+            reports.push((name, report));
+        }
     }
     let (text, json) = if reports.len() == 1 {
         let (mode, r) = reports.pop().expect("one report");
         let mut json = r.json;
-        json["security"] = json!(mode.name());
+        json["security"] = json!(mode);
         (r.text, json)
     } else {
         side_by_side(&reports)
@@ -362,10 +395,16 @@ fn run_on_cluster(
     command: &BenchCommand,
     root: &std::path::Path,
     mode: Security,
+    metrics: bool,
 ) -> anyhow::Result<Report> {
     let exe = std::env::current_exe().context("finding gpuctl's own path")?;
     let ports = free_ports(3)?;
     let mut cluster = LocalCluster::new(&exe, &["replica"], root, "bench", &ports);
+    if metrics {
+        for (r, port) in cluster.replicas.values_mut().zip(free_ports(3)?) {
+            r.metrics_addr = Some(format!("127.0.0.1:{port}"));
+        }
+    }
     if mode == Security::Insecure {
         cluster.set_insecure();
     }
@@ -389,7 +428,15 @@ fn run_on_cluster(
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async {
+    let scraper = metrics.then(|| {
+        let targets: Vec<String> = cluster
+            .replicas
+            .values()
+            .filter_map(|r| r.metrics_addr.clone())
+            .collect();
+        runtime.spawn(scrape_every_second(targets))
+    });
+    let result = runtime.block_on(async {
         cluster.wait_for_leader(Duration::from_secs(30)).await?;
         match command {
             BenchCommand::Failover {
@@ -472,7 +519,54 @@ fn run_on_cluster(
                 unreachable!("runs in process, above")
             }
         }
-    })
+    });
+    let mut report = result?;
+    if let Some(scraper) = scraper {
+        scraper.abort();
+        let _ = runtime.block_on(scraper);
+        let (scrapes, bytes) = SCRAPES.with_counts();
+        report.json["metrics_scrapes"] = json!({"scrapes": scrapes, "bytes": bytes});
+        report
+            .text
+            .push_str(&format!("metrics exporter on: {scrapes} scrapes of the replicas ({bytes} bytes) during the run\n"));
+    }
+    Ok(report)
+}
+
+/// Scrapes counted by [`scrape_every_second`] in this process (one benchmark at a time).
+struct ScrapeCounts {
+    scrapes: std::sync::atomic::AtomicU64,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+static SCRAPES: ScrapeCounts = ScrapeCounts {
+    scrapes: std::sync::atomic::AtomicU64::new(0),
+    bytes: std::sync::atomic::AtomicU64::new(0),
+};
+
+impl ScrapeCounts {
+    /// The counts so far, reset.
+    fn with_counts(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.scrapes.swap(0, Relaxed), self.bytes.swap(0, Relaxed))
+    }
+}
+
+/// Scrapes every target's `/metrics` once a second, as a Prometheus with a 1 s interval would
+/// (15 s is the usual interval): what the exporter costs under load, measured harshly.
+async fn scrape_every_second(targets: Vec<String>) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        for t in &targets {
+            let Ok(addr) = t.parse() else { continue };
+            if let Ok((200, body)) = node_agent::observe::http_get(addr, "/metrics").await {
+                SCRAPES.scrapes.fetch_add(1, Relaxed);
+                SCRAPES.bytes.fetch_add(body.len() as u64, Relaxed);
+            }
+        }
+    }
 }
 
 /// Stops a follower once the run is over and compares the encodings of its log's entries
@@ -504,17 +598,24 @@ async fn compare_encodings(
 
 /// The reports of several security modes, one after the other, with the figures that
 /// compare them in a table of their own.
-fn side_by_side(reports: &[(Security, Report)]) -> (String, serde_json::Value) {
+fn side_by_side(reports: &[(String, Report)]) -> (String, serde_json::Value) {
     let mut text = String::new();
     let mut by_mode = serde_json::Map::new();
     for (mode, r) in reports {
-        text.push_str(&format!("=== security: {} ===\n{}\n", mode.name(), r.text));
-        by_mode.insert(mode.name().to_owned(), r.json.clone());
+        text.push_str(&format!("=== {mode} ===\n{}\n", r.text));
+        by_mode.insert(mode.clone(), r.json.clone());
     }
     // The figures a reader compares: committed writes per second (closed loop), p99 latency
     // (open loop), failover to first placement.
     type Extract = fn(&serde_json::Value) -> Vec<(String, f64)>;
-    let figures: [(&str, Extract); 3] = [
+    let figures: [(&str, Extract); 4] = [
+        ("placements/s", |j| {
+            j["placements_per_sec"]
+                .as_f64()
+                .map(|v| ("burst".to_owned(), v))
+                .into_iter()
+                .collect()
+        }),
         ("committed/s", |j| {
             j["closed_loop"]["runs"]
                 .as_array()
@@ -585,7 +686,7 @@ fn side_by_side(reports: &[(Security, Report)]) -> (String, serde_json::Value) {
         }
     }
     if !rows.is_empty() {
-        let names: Vec<&str> = reports.iter().map(|(m, _)| m.name()).collect();
+        let names: Vec<&str> = reports.iter().map(|(m, _)| m.as_str()).collect();
         let mut headers = vec!["FIGURE", "CASE"];
         headers.extend(names.iter().copied());
         let ratio_header = format!("{}/{}", names[0], names[names.len() - 1]);
@@ -593,7 +694,7 @@ fn side_by_side(reports: &[(Security, Report)]) -> (String, serde_json::Value) {
         text.push_str(&format!("=== side by side ===\n{}", table(&headers, &rows)));
     }
     let json = json!({
-        "security": reports.iter().map(|(m, _)| m.name()).collect::<Vec<_>>(),
+        "security": reports.iter().map(|(m, _)| m.as_str()).collect::<Vec<_>>(),
         "by_security": by_mode,
         "comparison": comparison,
     });

@@ -15,9 +15,14 @@ pub struct DevArgs {
     /// Where replicas keep their data and logs (reused on the next run).
     #[arg(long, default_value = super::DEV_DATA_DIR)]
     pub data_dir: PathBuf,
-    /// Port of replica 1; replica i listens on BASE_PORT + i - 1.
+    /// Port of replica 1; replica i listens on BASE_PORT + i - 1, simulated host i on
+    /// BASE_PORT + 99 + i. Metrics and probes (HTTP): replica i on BASE_PORT + 199 + i, host i on
+    /// BASE_PORT + 299 + i.
     #[arg(long, default_value_t = 7001)]
     pub base_port: u16,
+    /// Serve no metrics (no `--metrics-listen` for the replicas and hosts).
+    #[arg(long)]
+    pub no_metrics: bool,
     #[arg(long, default_value_t = 3)]
     pub replicas: u16,
     /// Simulated GPU hosts to start, as presets (comma-separated; empty for none):
@@ -45,10 +50,20 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
     let ports: Vec<u16> = (0..args.replicas).map(|i| args.base_port + i).collect();
     // A replica that cannot bind exits, and clients would then reach whatever else holds the
     // port (say, another `gpuctl dev`): refuse up front instead.
+    let hosts = args.hosts.len() as u16;
+    let metrics_ports: Vec<u16> = if args.no_metrics {
+        Vec::new()
+    } else {
+        (0..args.replicas)
+            .map(|i| args.base_port + 200 + i)
+            .chain((0..hosts).map(|i| args.base_port + 300 + i))
+            .collect()
+    };
     for port in ports
         .iter()
         .copied()
-        .chain((0..args.hosts.len() as u16).map(|i| args.base_port + 100 + i))
+        .chain((0..hosts).map(|i| args.base_port + 100 + i))
+        .chain(metrics_ports.iter().copied())
     {
         if let Err(e) = std::net::TcpListener::bind(("127.0.0.1", port)) {
             bail!(
@@ -57,6 +72,11 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
         }
     }
     let mut cluster = LocalCluster::new(&exe, &["replica"], &data_dir, "dev", &ports);
+    if !args.no_metrics {
+        for (i, r) in cluster.replicas.values_mut().enumerate() {
+            r.metrics_addr = Some(format!("127.0.0.1:{}", args.base_port + 200 + i as u16));
+        }
+    }
     if args.insecure {
         cluster.set_insecure();
     }
@@ -73,12 +93,12 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
             );
         }
         let port = args.base_port + 100 + i as u16;
-        cluster.add_agent(
-            &format!("{preset}-{}", i + 1),
-            preset,
-            port,
-            &["--stop-grace-secs", "10"],
-        );
+        let metrics = format!("127.0.0.1:{}", args.base_port + 300 + i as u16);
+        let mut flags = vec!["--stop-grace-secs", "10"];
+        if !args.no_metrics {
+            flags.extend(["--metrics-listen", &metrics]);
+        }
+        cluster.add_agent(&format!("{preset}-{}", i + 1), preset, port, &flags);
     }
     cluster.start_all()?;
 
@@ -116,6 +136,20 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
         println!("  replicas:  {}", cluster.endpoints().join("  "));
         if !names.is_empty() {
             println!("  simulated GPU hosts: {} (see `gpuctl nodes`)", names.join(", "));
+        }
+        if !args.no_metrics {
+            let urls: Vec<String> = cluster
+                .replicas
+                .values()
+                .filter_map(|r| r.metrics_addr.as_ref())
+                .chain(cluster.agents.values().filter_map(|a| {
+                    let i = a.extra_args.iter().position(|x| x == "--metrics-listen")?;
+                    a.extra_args.get(i + 1)
+                }))
+                .map(|a| format!("http://{a}/metrics"))
+                .collect();
+            println!("  metrics:   {}", urls.join("  "));
+            println!("             (/healthz and /readyz beside each; deploy/prometheus, deploy/grafana)");
         }
         println!("  data/logs: {}", data_dir.display());
         let default_dir = std::path::Path::new(super::DEV_DATA_DIR)

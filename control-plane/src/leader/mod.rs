@@ -288,6 +288,7 @@ async fn schedule_once(
         plan
     });
     let took = started.elapsed();
+    replica.metrics.scheduler_pass(took);
     if took >= SLOW_PASS {
         tracing::info!(
             pass_ms = took.as_millis() as u64,
@@ -321,6 +322,7 @@ async fn schedule_once(
                     tracing::debug!(job, reason, "preemption refused at apply");
                 }
                 tracing::info!(for_job = p.for_job, victims = ?accepted, "preempted");
+                replica.metrics.preempted(accepted.len());
                 refused &= accepted.is_empty();
             }
             other => tracing::warn!(?other, "unexpected outcome of a preemption"),
@@ -335,6 +337,7 @@ async fn schedule_once(
                     tracing::debug!(job, reason, "placement refused at apply");
                 }
                 tracing::debug!(proposed, accepted = accepted.len(), "scheduling pass");
+                replica.metrics.placed(accepted.len(), &rejected);
                 refused &= accepted.is_empty();
             }
             other => tracing::warn!(?other, "unexpected outcome of a plan"),
@@ -373,6 +376,7 @@ async fn check_liveness(
             silent_ms = silent.as_millis() as u64,
             "node lease and grace expired: declaring it lost"
         );
+        replica.metrics.node_lost();
         let reason = format!(
             "no heartbeat for {:.1} s (lease {:.1} s + grace {:.1} s)",
             silent.as_secs_f64(),

@@ -36,6 +36,8 @@ pub struct LogStore {
     /// them. Kept here so that reads, on every replication request, need not decode the
     /// stored purge point.
     first_kept: Arc<AtomicU64>,
+    /// Where each flush's duration goes (`metrics`); none when metrics are off.
+    flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
 }
 
 fn key(index: u64) -> [u8; 8] {
@@ -65,8 +67,18 @@ impl LogStore {
             meta,
             committed_index: Arc::new(AtomicU64::new(0)),
             first_kept: Arc::new(AtomicU64::new(first_kept)),
+            flush_latency: None,
         };
         Ok(store)
+    }
+
+    /// Records every flush's duration in `histogram` (`gpucp_raft_log_flush_duration_seconds`).
+    pub fn with_flush_histogram(
+        mut self,
+        histogram: Option<prometheus_client::metrics::histogram::Histogram>,
+    ) -> Self {
+        self.flush_latency = histogram;
+        self
     }
 
     /// Records the purge point: from then on readers skip the entries at or before it.
@@ -140,6 +152,9 @@ impl LogStore {
             Err(e) => Err(std::io::Error::other(format!("the flush task failed: {e}"))),
         };
         let took = started.elapsed();
+        if let Some(h) = &self.flush_latency {
+            h.observe(took.as_secs_f64());
+        }
         if took >= SLOW_FLUSH {
             // openraft waits for this flush before it answers the leader or replicates, and
             // gives up on a replication call after one heartbeat interval: a disk this slow

@@ -38,6 +38,7 @@ openraft::declare_raft_types!(
 );
 
 pub type Raft = openraft::Raft<TypeConfig>;
+pub type RaftMetrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
 pub type LogId = openraft::LogId<NodeId>;
 pub type StorageError = openraft::StorageError<NodeId>;
 pub type Entry = openraft::Entry<TypeConfig>;

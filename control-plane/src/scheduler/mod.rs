@@ -297,6 +297,37 @@ fn expected_workload(state: &ClusterState) -> Workload {
     Workload::from_demands(shapes.iter().map(Shape::scored_demand))
 }
 
+/// Free GPU capacity on ready nodes and the part of it the expected workload could not use
+/// (the fragmentation placement minimises, `frag::fragmentation`), both in GPUs: the gauge
+/// operators watch (`metrics`). Costs one fragmentation evaluation per ready node.
+pub fn fleet_fragmentation(state: &ClusterState) -> (f64, f64) {
+    let workload = expected_workload(state);
+    let (mut free, mut fragmented) = (0u64, 0f64);
+    for node in state.nodes.values() {
+        if node.status != crate::state::NodeStatus::Ready || node.drained {
+            continue;
+        }
+        let Some(f) = state.index.node_free.get(&node.spec.name) else {
+            continue;
+        };
+        let res = score::NodeResources {
+            cpu_milli: f.cpu_milli,
+            memory_mib: f.memory_mib,
+            model: node
+                .spec
+                .gpus
+                .first()
+                .map(|g| g.model.as_str())
+                .unwrap_or(""),
+            gpu_milli: &f.gpu_milli[..f.gpus as usize],
+        };
+        free += res.free_gpu_milli();
+        fragmented += frag::fragmentation(&res, &workload);
+    }
+    let per_gpu = MILLI_PER_GPU as f64;
+    (free as f64 / per_gpu, fragmented / per_gpu)
+}
+
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]

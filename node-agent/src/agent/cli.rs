@@ -30,6 +30,10 @@ pub struct AgentArgs {
     /// Address the control plane and gpuctl should use for this agent (defaults to --listen).
     #[arg(long)]
     pub advertise: Option<String>,
+    /// Serve Prometheus metrics (`/metrics`) and health probes (`/healthz`, `/readyz`) over
+    /// plain HTTP on this address, e.g. 0.0.0.0:9401. Off unless given.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     /// Where running workloads, their logs and exit records live; must survive agent restarts.
     #[arg(long, default_value = "/var/lib/gpu-node-agent")]
     pub state_dir: PathBuf,
@@ -250,6 +254,7 @@ impl AgentArgs {
                     mount_prefixes: self.container_mount_prefixes,
                     pull: self.image_pull,
                 },
+                metrics_listen: self.metrics_listen,
             },
             backend,
             simulated,

@@ -19,6 +19,8 @@ pub mod containers;
 pub mod control;
 mod devices;
 mod gpu_usage;
+mod http;
+pub mod metrics;
 mod output_files;
 pub mod reconcile;
 pub mod restart;
@@ -73,6 +75,8 @@ pub struct AgentConfig {
     pub reexec: Option<restart::Reexec>,
     pub cgroups: CgroupMode,
     pub containers: containers::ContainerOptions,
+    /// Plain HTTP address for `/metrics`, `/healthz` and `/readyz` (`agent::http`); none: off.
+    pub metrics_listen: Option<String>,
 }
 
 /// Whether allocations get cgroups of their own (`--cgroups`).
@@ -225,6 +229,8 @@ pub struct Agent {
     /// drops the sets received before it, so a stream opened earlier would leave the agent
     /// without a set (not ready) until the leader re-sends it a second later.
     registrations: tokio::sync::watch::Sender<u64>,
+    /// Prometheus series (`agent::metrics`).
+    metrics: metrics::AgentMetrics,
 }
 
 impl Agent {
@@ -242,6 +248,13 @@ impl Agent {
 
     /// Registered, within its lease, and holding an assignment set of the current leader:
     /// what a restarted agent must reach before a rollout moves to the next node.
+    /// Sets the series that are levels, not events, just before a scrape.
+    fn refresh_levels(&self) {
+        let running = self.lock().runtime.live().len();
+        self.metrics.allocations_running.set(running as i64);
+        self.metrics.registered.set(i64::from(self.ready()));
+    }
+
     fn ready(&self) -> bool {
         let st = self.lock();
         !st.fenced
@@ -314,6 +327,7 @@ impl Agent {
     }
 
     fn queue_exit(&self, st: &mut State, report: AllocationReport) {
+        self.metrics.exited(report.event);
         st.reports.push_back(Report::Allocation(report));
         self.reports_ready.notify_one();
     }
@@ -400,8 +414,12 @@ impl Agent {
                         tracing::debug!(allocation = a.allocation_id, error = %busy, "GPU still in use; launch deferred");
                         continue;
                     }
-                    match st.runtime.launch(spec) {
+                    let launch_started = std::time::Instant::now();
+                    let launched = st.runtime.launch(spec);
+                    let took = launch_started.elapsed();
+                    match launched {
                         Ok(()) => {
+                            self.metrics.launched("ok", took);
                             tracing::info!(allocation = a.allocation_id, job = a.job_id, gpus = ?a.gpus, "launched");
                             st.job_allocations.insert(a.job_id, a.allocation_id);
                             self.tick_now.notify_one();
@@ -416,6 +434,7 @@ impl Agent {
                             | crate::runtime::RuntimeError::Container { .. }),
                         ) => {
                             tracing::warn!(allocation = a.allocation_id, error = %e, "launch refused");
+                            self.metrics.launched("refused", took);
                             st.finished.insert(a.allocation_id);
                             let reason = format!("node {} cannot run it: {e}", self.config.name);
                             self.queue_exit(
@@ -431,6 +450,7 @@ impl Agent {
                             // A fault of this host (spawn failure, full disk), not of the job:
                             // requeue it rather than fail it.
                             tracing::warn!(allocation = a.allocation_id, error = %e, "launch failed");
+                            self.metrics.launched("failed", took);
                             st.finished.insert(a.allocation_id);
                             let reason =
                                 format!("node {} could not start it: {e}", self.config.name);
@@ -515,6 +535,7 @@ impl Agent {
                     report.usage = usage;
                     report.gpu_usage = self.lock().gpu_usage.take(allocation_id);
                     tracing::info!(allocation = allocation_id, ?kind, event = ?report.event, "exited");
+                    self.metrics.exited(report.event);
                     self.queue_report(Report::Allocation(report));
                 }
             }
@@ -538,6 +559,13 @@ impl Agent {
             }
         };
         tracing::warn!(gpu = %uuid, ?event, ?verdict, "GPU event");
+        if let GpuEvent::Xid { code, .. } = &event {
+            self.metrics.xid(&uuid, *code);
+        }
+        if verdict.gpu_unhealthy || verdict.gpu_recovered {
+            self.metrics
+                .set_gpu_health(&self.inventory, &uuid, !verdict.gpu_unhealthy);
+        }
         // Health first, then the stop: the control plane must cordon the GPU before the job's
         // exit frees it.
         if verdict.gpu_unhealthy || verdict.gpu_recovered {
@@ -821,7 +849,18 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let container_description = container_runtime
+        .as_ref()
+        .map(|c| c.description.clone())
+        .unwrap_or_default();
+    let metrics = metrics::AgentMetrics::new(
+        &config.name,
+        &inventory,
+        &enforcement,
+        &container_description,
+    );
     let agent = Arc::new(Agent {
+        metrics,
         incarnation,
         inventory,
         state: Mutex::new(State {
@@ -846,7 +885,7 @@ pub async fn run(
         restart_requested: std::sync::atomic::AtomicBool::new(false),
         registrations: tokio::sync::watch::Sender::new(0),
         enforcement,
-        container_runtime: container_runtime.map(|c| c.description).unwrap_or_default(),
+        container_runtime: container_description,
         device_dir,
         mig_minors,
     });
@@ -871,6 +910,14 @@ pub async fn run(
         ))
         .serve_with_incoming_shutdown(transport.incoming(listener), restart_asked);
 
+    let metrics_port = match &agent.config.metrics_listen {
+        Some(addr) => {
+            let (bound, task) = crate::observe::serve(addr, http::router(agent.clone())).await?;
+            tracing::info!(%bound, "metrics and health on http://{bound}/metrics");
+            Some(task)
+        }
+        None => None,
+    };
     let tasks = vec![
         tokio::spawn(session_loop(agent.clone(), control.clone())),
         tokio::spawn(assignment_loop(agent.clone(), control.clone())),
@@ -880,7 +927,7 @@ pub async fn run(
         tokio::spawn(gpu_usage_loop(agent.clone(), backend)),
     ];
     let served = server.await;
-    for t in tasks.into_iter().chain(reloader) {
+    for t in tasks.into_iter().chain(reloader).chain(metrics_port) {
         t.abort();
     }
     save_job_index(&agent.config.state_dir, &agent.lock().job_allocations);

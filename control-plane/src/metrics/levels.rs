@@ -1,0 +1,199 @@
+//! Levels read off the replicated state when scraped: queue depth, nodes, GPUs, fragmentation.
+//! Pure (a `&ClusterState` in, counts out), so apply pays nothing for them and every replica,
+//! leader or not, reports the same numbers for the same applied index.
+
+use std::collections::BTreeMap;
+
+use crate::state::{ClusterState, GpuHealth, JobState, NodeStatus};
+
+/// What one scrape reports about the state.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Levels {
+    /// (state, tenant, partition) → jobs, for the states that are queue depth: pending,
+    /// scheduled, running. Partition "" is the default (none named).
+    pub jobs: BTreeMap<(&'static str, String, String), u64>,
+    /// Pending jobs by why they wait, once the scheduler says (see [`pending_reasons`]).
+    pub pending_by_reason: Option<BTreeMap<String, u64>>,
+    /// Node status → nodes.
+    pub nodes: BTreeMap<&'static str, u64>,
+    /// (GPU model, allocated | idle | unhealthy | unavailable) → GPUs.
+    pub gpus: BTreeMap<(String, &'static str), u64>,
+    /// Free GPU capacity on ready nodes, in GPUs (shares count as fractions).
+    pub free_gpus: f64,
+    /// Of that, what the expected workload could not use (FGD's measure, `scheduler::frag`).
+    pub fragmented_gpus: f64,
+}
+
+pub fn levels(state: &ClusterState) -> Levels {
+    let mut l = Levels::default();
+    // The pending index and the live allocations, not every job record (a million finished
+    // jobs would otherwise be walked on every scrape); counted under borrowed names, owned once
+    // per distinct key, so a long queue costs no allocation per job.
+    let mut jobs: BTreeMap<(&'static str, &str, &str), u64> = BTreeMap::new();
+    for job in state.pending_jobs().chain(state.jobs_with_allocations()) {
+        let s = match job.state {
+            JobState::Pending => "pending",
+            JobState::Scheduled => "scheduled",
+            JobState::Running => "running",
+            _ => continue,
+        };
+        let partition = job.spec.partition.as_deref().unwrap_or("");
+        *jobs.entry((s, &job.spec.tenant, partition)).or_default() += 1;
+    }
+    l.jobs = jobs
+        .into_iter()
+        .map(|((s, t, p), n)| ((s, t.to_owned(), p.to_owned()), n))
+        .collect();
+    l.pending_by_reason = pending_reasons(state);
+    for n in state.nodes.values() {
+        *l.nodes.entry(n.status.as_str()).or_default() += 1;
+        for g in &n.spec.gpus {
+            let held = state.gpu_holder.contains_key(&g.uuid)
+                || state
+                    .index
+                    .gpu_shares
+                    .get(&g.uuid)
+                    .is_some_and(|s| !s.allocations.is_empty())
+                || g.mig.iter().any(|m| state.gpu_holder.contains_key(&m.uuid));
+            let what = if matches!(g.health, GpuHealth::Unhealthy { .. }) {
+                "unhealthy"
+            } else if held {
+                "allocated"
+            } else if n.status != NodeStatus::Ready || n.drained {
+                // Free, but on a node that takes no work: not capacity the queue can use.
+                "unavailable"
+            } else {
+                "idle"
+            };
+            *l.gpus.entry((g.model.clone(), what)).or_default() += 1;
+        }
+    }
+    let (free, fragmented) = crate::scheduler::fleet_fragmentation(state);
+    l.free_gpus = free;
+    l.fragmented_gpus = fragmented;
+    l
+}
+
+/// The hook for pending reasons: once the scheduler records why each pending job waits
+/// (quota, no fitting node, dependency, reservation...), count them here by reason and they
+/// are exported as `gpucp_jobs_pending_by_reason{reason}`. `None` until then (no series).
+pub fn pending_reasons(_state: &ClusterState) -> Option<BTreeMap<String, u64>> {
+    None
+}
+
+/// A bounded label for why apply refused a placement of a plan (apply's free-text reasons
+/// carry job, node and GPU names, which would make a series per job).
+pub fn rejection_reason(reason: &str) -> &'static str {
+    let r = reason.to_ascii_lowercase();
+    if r.contains("already held") || r.contains("placed twice") {
+        "gpu_held"
+    } else if r.contains("unhealthy") {
+        "gpu_unhealthy"
+    } else if r.contains("not pending") || r.contains("already ended") {
+        "job_not_pending"
+    } else if r.contains("does not exist") || r.contains("is not on node") {
+        "missing"
+    } else if r.contains("partition") {
+        "partition"
+    } else if r.contains("node ") && (r.contains(" is down") || r.contains(" is drained")) {
+        "node_not_ready"
+    } else if r.contains("quota") || r.contains("limit") {
+        "quota"
+    } else if r.contains("memory") || r.contains("cpu") || r.contains("share") {
+        "resources"
+    } else {
+        "other"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Command;
+
+    #[test]
+    fn rejection_reasons_are_a_small_set() {
+        for (text, want) in [
+            ("GPU GPU-1 is already held by allocation 7", "gpu_held"),
+            ("GPU GPU-1 is placed twice in one plan", "gpu_held"),
+            ("GPU GPU-3 is unhealthy", "gpu_unhealthy"),
+            ("job 4 is running, not pending", "job_not_pending"),
+            ("node n9 does not exist", "missing"),
+            ("node n1 is down", "node_not_ready"),
+            ("node n1 is not in partition a", "partition"),
+            ("something new", "other"),
+        ] {
+            assert_eq!(rejection_reason(text), want, "{text}");
+        }
+    }
+
+    /// One DGX H100 (8 GPUs), three 2-GPU jobs of one tenant and then an 8-GPU job that cannot fit
+    /// once they run; the plan placed and applied.
+    #[test]
+    fn queue_depth_nodes_gpus_and_fragmentation_follow_the_state() {
+        use crate::synthetic::{Driver, job_spec, node_from_preset, submit_all};
+        let mut d = Driver::new(1_000);
+        let spec = node_from_preset("dgx-h100", "n1", None, BTreeMap::new()).unwrap();
+        assert_eq!(
+            d.apply(&Command::RegisterNode { spec }),
+            crate::state::Outcome::NodeRegistered
+        );
+        d.apply(&Command::PutTenant {
+            tenant: crate::state::Tenant {
+                name: "t0".into(),
+                weight: 1,
+                quota_gpus: 8,
+                max_gpus: 0,
+            },
+        });
+        let idle = levels(&d.state);
+        assert_eq!(idle.nodes.get("ready"), Some(&1));
+        assert_eq!(idle.gpus.values().sum::<u64>(), 8);
+        assert!(idle.gpus.keys().all(|(_, s)| *s == "idle"), "{idle:?}");
+        assert_eq!(idle.free_gpus, 8.0);
+        assert!(idle.jobs.is_empty());
+        assert_eq!(idle.pending_by_reason, None);
+
+        let jobs: Vec<_> = (0..3)
+            .map(|i| job_spec(i, 0, (2, 1, 0), "normal", 600))
+            .chain([job_spec(3, 0, (8, 1, 0), "normal", 600)])
+            .collect();
+        submit_all(&mut d, &jobs).unwrap();
+        let queued = levels(&d.state);
+        assert_eq!(
+            queued.jobs.get(&("pending", "t0".into(), String::new())),
+            Some(&4)
+        );
+
+        let plan = crate::scheduler::plan(&d.state, d.now);
+        assert_eq!(plan.placements.len(), 3, "{plan:?}");
+        d.apply(&Command::Place {
+            term: 1,
+            placements: plan.placements,
+        });
+        let placed = levels(&d.state);
+        assert_eq!(
+            placed.jobs.get(&("scheduled", "t0".into(), String::new())),
+            Some(&3)
+        );
+        assert_eq!(
+            placed.jobs.get(&("pending", "t0".into(), String::new())),
+            Some(&1)
+        );
+        let by = |what| {
+            placed
+                .gpus
+                .iter()
+                .filter(|((_, s), _)| *s == what)
+                .map(|(_, n)| n)
+                .sum::<u64>()
+        };
+        assert_eq!((by("allocated"), by("idle")), (6, 2));
+        assert_eq!(placed.free_gpus, 2.0);
+        // The 8-GPU job in the expected workload cannot use the 2 GPUs left.
+        assert!(
+            placed.fragmented_gpus > 0.0 && placed.fragmented_gpus <= 2.0,
+            "{placed:?}"
+        );
+    }
+}

@@ -67,8 +67,16 @@ async fn metrics(State(s): State<HttpState>) -> Response {
     // Off the async workers: on a large cluster this walks every node under the state's read
     // lock (a few ms at 10,000 nodes), like a small scheduling pass.
     let (levels, overdue) = tokio::task::spawn_blocking(move || {
+        let board = replica
+            .pending_reasons
+            .read()
+            .ok()
+            .and_then(|b| b.clone())
+            .filter(|_| leading);
         let data = replica.sm.read();
-        let levels = crate::metrics::levels::levels(&data.cluster);
+        let mut levels = crate::metrics::levels::levels(&data.cluster);
+        // The leader's last pass says why pending jobs wait (followers have no board).
+        levels.pending_by_reason = board.map(|b| crate::metrics::levels::pending_by_reason(&b));
         let overdue = leading.then(|| {
             let now = replica.now_ms();
             data.cluster

@@ -74,11 +74,28 @@ pub fn levels(state: &ClusterState) -> Levels {
     l
 }
 
-/// The hook for pending reasons: once the scheduler records why each pending job waits
-/// (quota, no fitting node, dependency, reservation...), count them here by reason and they
-/// are exported as `gpucp_jobs_pending_by_reason{reason}`. `None` until then (no series).
+/// Pending reasons live on the leader's scheduling board, not in the replicated state: the
+/// scrape fills them in from it (`http.rs`, [`pending_by_reason`]).
 pub fn pending_reasons(_state: &ClusterState) -> Option<BTreeMap<String, u64>> {
     None
+}
+
+/// Pending jobs the leader's last pass looked at, by the kind of reason they wait for
+/// (`gpucp_jobs_pending_by_reason{reason}`): bounded labels, never a job's own words.
+pub fn pending_by_reason(board: &crate::scheduler::Board) -> BTreeMap<String, u64> {
+    use crate::scheduler::reasons::Why;
+    let mut by = BTreeMap::new();
+    for why in board.by_job.values() {
+        let label = match why {
+            Why::Resources => "Resources",
+            Why::Priority { .. } => "Priority",
+            Why::Reservation { .. } => "Reservation",
+            Why::Quota { .. } => "QuotaExceeded",
+            Why::Unfit => "Unfit",
+        };
+        *by.entry(label.to_owned()).or_default() += 1;
+    }
+    by
 }
 
 /// A bounded label for why apply refused a placement of a plan (apply's free-text reasons

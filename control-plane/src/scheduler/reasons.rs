@@ -39,8 +39,8 @@ pub struct ReasonLog {
     pub jobs: Vec<(JobId, Why)>,
     /// The head job (the first that could not start), if any.
     pub head: Option<JobId>,
-    /// The pass stopped at the head (`--backfill false`) or at its job limit: the jobs it did
-    /// not reach wait behind the head.
+    /// How many jobs the pass looked at: at its limit (`Policy::max_jobs_per_pass`), the
+    /// jobs it did not reach wait for a later pass.
     pub jobs_considered: usize,
     /// The pass did not run: no node is ready.
     pub no_ready_node: bool,
@@ -56,6 +56,7 @@ pub struct Board {
     pub by_job: HashMap<JobId, Why>,
     pub head: Option<JobId>,
     pub no_ready_node: bool,
+    pub jobs_considered: usize,
     pub max_jobs_per_pass: usize,
 }
 
@@ -67,6 +68,7 @@ impl Board {
             by_job: log.jobs.into_iter().collect(),
             head: log.head,
             no_ready_node: log.no_ready_node,
+            jobs_considered: log.jobs_considered,
             max_jobs_per_pass,
         }
     }
@@ -81,35 +83,52 @@ pub fn waiting_for(state: &ClusterState, job: &Job) -> Option<JobId> {
         .map(|d| d.job)
 }
 
-/// Per shape, what the state says about jobs of it: computed once per explanation or listing.
+/// Per shape, what the state says about jobs of it: computed once per explanation or listing,
+/// for at most `MAX_SHAPES` shapes (each costs a walk over the nodes), so a listing of a
+/// queue with thousands of distinct shapes stays cheap; the rest get the short reason.
 #[derive(Default)]
 pub struct ShapeMemo {
     never: HashMap<(Shape, u32), Option<NeverFits>>,
     now: HashMap<(Shape, u32), capacity::Diagnosis>,
 }
 
+/// Most shapes one listing diagnoses in full.
+pub const MAX_SHAPES: usize = 256;
+
 impl ShapeMemo {
+    /// Why no node could ever hold the job, if so (not asked beyond `MAX_SHAPES` shapes).
     pub fn never_fits(
         &mut self,
         state: &ClusterState,
         shape: &Shape,
         tasks: u32,
     ) -> Option<&NeverFits> {
+        let key = (shape.clone(), tasks);
+        if !self.never.contains_key(&key) && self.never.len() >= MAX_SHAPES {
+            return None;
+        }
         self.never
-            .entry((shape.clone(), tasks))
+            .entry(key)
             .or_insert_with(|| capacity::never_fits(state.nodes.values(), shape, tasks))
             .as_ref()
     }
 
+    /// The node-by-node diagnosis (None beyond `MAX_SHAPES` shapes).
     pub fn diagnose(
         &mut self,
         state: &ClusterState,
         shape: &Shape,
         tasks: u32,
-    ) -> &capacity::Diagnosis {
-        self.now
-            .entry((shape.clone(), tasks))
-            .or_insert_with(|| capacity::diagnose(state, shape, tasks))
+    ) -> Option<&capacity::Diagnosis> {
+        let key = (shape.clone(), tasks);
+        if !self.now.contains_key(&key) && self.now.len() >= MAX_SHAPES {
+            return None;
+        }
+        Some(
+            self.now
+                .entry(key)
+                .or_insert_with(|| capacity::diagnose(state, shape, tasks)),
+        )
     }
 }
 
@@ -145,11 +164,13 @@ pub fn explain(
         return "Resources: no node is registered yet".into();
     }
     if board.no_ready_node {
-        let d = memo.diagnose(state, &shape, tasks);
-        return format!(
-            "NodeUnhealthy: no node is ready ({})",
-            capacity::counts_text(&d.counts)
-        );
+        return match memo.diagnose(state, &shape, tasks) {
+            Some(d) => format!(
+                "NodeUnhealthy: no node is ready ({})",
+                capacity::counts_text(&d.counts)
+            ),
+            None => "NodeUnhealthy: no node is ready".into(),
+        };
     }
     match board.by_job.get(&job.id) {
         Some(Why::Quota {
@@ -163,19 +184,21 @@ pub fn explain(
         ),
         Some(Why::Reservation { for_job }) => format!("Reservation for job {for_job}"),
         Some(Why::Priority { behind }) => format!("Priority: behind job {behind}"),
-        Some(Why::Resources) | Some(Why::Unfit) => {
-            let d = memo.diagnose(state, &shape, tasks);
-            let label = if d.only_unhealthy() {
-                "NodeUnhealthy"
-            } else {
-                "Resources"
-            };
-            format!("{label}: {}", d.text(&shape, tasks))
-        }
+        Some(Why::Resources) | Some(Why::Unfit) => match memo.diagnose(state, &shape, tasks) {
+            Some(d) => {
+                let label = if d.only_unhealthy() {
+                    "NodeUnhealthy"
+                } else {
+                    "Resources"
+                };
+                format!("{label}: {}", d.text(&shape, tasks))
+            }
+            None => format!("Resources: details with `gpuctl why {}`", job.id),
+        },
         None => match board.head {
             Some(head) if head != job.id => format!("Priority: behind job {head}"),
             // Placed since the pass, or not reached by it.
-            _ if board.by_job.len() >= board.max_jobs_per_pass => format!(
+            _ if board.jobs_considered >= board.max_jobs_per_pass => format!(
                 "Priority: not reached yet (a pass looks at the first {} jobs in queue order)",
                 board.max_jobs_per_pass
             ),
@@ -231,7 +254,9 @@ pub fn why_lines(
         ));
         return lines;
     }
-    let d = memo.diagnose(state, &shape, tasks).clone();
+    let Some(d) = memo.diagnose(state, &shape, tasks).cloned() else {
+        return lines;
+    };
     lines.push(format!("now: {}", d.text(&shape, tasks)));
     if let Some(name) = &d.closest
         && let Some(node) = state.nodes.get(name)

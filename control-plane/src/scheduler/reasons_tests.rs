@@ -703,3 +703,65 @@ fn jobs_the_pass_did_not_reach_wait_behind_the_head() {
         format!("Priority: behind job {head}")
     );
 }
+
+#[test]
+fn a_listing_diagnoses_a_bounded_number_of_shapes() {
+    let mut w = two_hosts();
+    let mut memo = ShapeMemo::default();
+    for cpus in 0..reasons::MAX_SHAPES as u64 {
+        let spec = JobSpec {
+            cpu_milli_per_task: 1 + cpus,
+            ..job(8)
+        };
+        assert!(memo.diagnose(&w.state, &Shape::of(&spec), 1).is_some());
+    }
+    let one_more = JobSpec {
+        cpu_milli_per_task: 50_000,
+        ..job(8)
+    };
+    assert!(memo.diagnose(&w.state, &Shape::of(&one_more), 1).is_none());
+    // Shapes already diagnosed still answer.
+    assert!(
+        memo.diagnose(
+            &w.state,
+            &Shape::of(&JobSpec {
+                cpu_milli_per_task: 1,
+                ..job(8)
+            }),
+            1
+        )
+        .is_some()
+    );
+    // Past the bound a blocked job still says Resources, and where to ask.
+    w.submit(job(8));
+    w.submit(job(8));
+    let blocked = w.submit(one_more);
+    let (_, log) = w.pass();
+    let board = w.board(log);
+    let job = w.state.job(blocked).unwrap();
+    assert_eq!(
+        reasons::explain(&w.state, Some(&board), job, w.now(), &mut memo),
+        format!("Resources: details with `gpuctl why {blocked}`")
+    );
+}
+
+#[test]
+fn jobs_beyond_the_pass_limit_say_they_were_not_reached() {
+    let mut w = World::new();
+    w.node("n1", 8);
+    let first = w.submit(job(1));
+    let second = w.submit(job(1));
+    let policy = Policy {
+        max_jobs_per_pass: 1,
+        ..Policy::default()
+    };
+    let (plan, _, log) = plan_explained(&w.state, w.now(), &policy);
+    assert_eq!(plan.placements.len(), 1);
+    assert_eq!(plan.placements[0].job, first);
+    assert_eq!(log.jobs_considered, 1);
+    let board = Board::new(1, w.now(), log, policy.max_jobs_per_pass);
+    assert_eq!(
+        w.reason(Some(&board), second),
+        "Priority: not reached yet (a pass looks at the first 1 jobs in queue order)"
+    );
+}

@@ -81,13 +81,6 @@ async fn start(mount_prefix: &Path) -> TestCluster {
     .await
 }
 
-fn submitted_id(out: &str) -> u64 {
-    out.trim()
-        .strip_prefix("Submitted job ")
-        .and_then(|id| id.parse().ok())
-        .unwrap_or_else(|| panic!("not a submission: {out}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_job_sees_only_its_own_gpus_and_mounts_what_the_node_allows() {
     let Some(image) = test_image() else { return };
@@ -109,14 +102,12 @@ async fn a_container_job_sees_only_its_own_gpus_and_mounts_what_the_node_allows(
                     else mknod /dev/forged$n c 195 $n && echo \"nvidia$n forged $(cat /dev/forged$n 2>&1)\"; fi; \
                   done; cat /data/hello";
     let mount = format!("{}:/data:ro", shared.path().display());
-    let (ok, out, err) = gpuctl(
+    let id = gpuctl_submit(
         &c,
         &[
             "submit", "-G", "1", "--image", image, "--mount", &mount, "--", "sh", "-c", script,
         ],
     );
-    assert!(ok, "{err}");
-    let id = submitted_id(&out);
     wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
         j.state == "succeeded"
     })
@@ -170,7 +161,7 @@ async fn a_container_job_sees_only_its_own_gpus_and_mounts_what_the_node_allows(
     );
 
     step("a mount outside what the node allows fails the job, saying why");
-    let (ok, out, err) = gpuctl(
+    let id = gpuctl_submit(
         &c,
         &[
             "submit",
@@ -185,13 +176,7 @@ async fn a_container_job_sees_only_its_own_gpus_and_mounts_what_the_node_allows(
             "/host-etc",
         ],
     );
-    assert!(ok, "{err}");
-    let id = submitted_id(&out);
-    let failed = wait_job(&mut client, id, JOB_TIMEOUT, "failed", |j| {
-        j.state == "failed"
-    })
-    .await;
-    let reason = &failed.history.last().unwrap().reason;
+    let reason = &final_reason(&mut client, id, JOB_TIMEOUT, "failed").await;
     assert!(
         reason.contains("mount source /etc is not under a directory this node allows")
             && reason.contains(shared.path().to_str().unwrap()),
@@ -199,7 +184,7 @@ async fn a_container_job_sees_only_its_own_gpus_and_mounts_what_the_node_allows(
     );
 
     step("a container past its --mem is reported out of memory; an exit code comes through");
-    let (ok, out, err) = gpuctl(
+    let id = gpuctl_submit(
         &c,
         &[
             "submit",
@@ -217,30 +202,18 @@ async fn a_container_job_sees_only_its_own_gpus_and_mounts_what_the_node_allows(
             "count=1",
         ],
     );
-    assert!(ok, "{err}");
-    let id = submitted_id(&out);
-    let failed = wait_job(&mut client, id, JOB_TIMEOUT, "failed", |j| {
-        j.state == "failed"
-    })
-    .await;
-    let reason = &failed.history.last().unwrap().reason;
+    let reason = &final_reason(&mut client, id, JOB_TIMEOUT, "failed").await;
     assert!(
         reason.contains("out of memory") && reason.contains("32 MiB"),
-        "{failed:#?}"
+        "{reason}"
     );
-    let (ok, out, err) = gpuctl(
+    let id = gpuctl_submit(
         &c,
         &[
             "submit", "-G", "1", "--image", image, "--", "sh", "-c", "exit 3",
         ],
     );
-    assert!(ok, "{err}");
-    let id = submitted_id(&out);
-    let failed = wait_job(&mut client, id, JOB_TIMEOUT, "failed", |j| {
-        j.state == "failed"
-    })
-    .await;
-    let reason = &failed.history.last().unwrap().reason;
+    let reason = &final_reason(&mut client, id, JOB_TIMEOUT, "failed").await;
     assert!(reason.contains("exit code 3"), "{reason}");
 }
 
@@ -250,7 +223,7 @@ async fn a_container_job_outlives_an_agent_restart_and_its_cancel_removes_it() {
     let shared = tempfile::tempdir().unwrap();
     let mut c = start(shared.path()).await;
     let mut client = c.client().unwrap();
-    let (ok, out, err) = gpuctl(
+    let id = gpuctl_submit(
         &c,
         &[
             "submit",
@@ -264,8 +237,6 @@ async fn a_container_job_outlives_an_agent_restart_and_its_cancel_removes_it() {
             "echo started; sleep 1000",
         ],
     );
-    assert!(ok, "{err}");
-    let id = submitted_id(&out);
     wait_job(&mut client, id, JOB_TIMEOUT, "running", |j| {
         j.state == "running"
     })

@@ -290,7 +290,7 @@ async fn a_batch_script_runs_with_its_sbatch_directives_and_writes_its_output_fi
     let workdir = dir.path().to_str().unwrap();
 
     step("sbatch SCRIPT ARGS: the directives shape the job, the script's text runs");
-    let (ok, out, err) = gpuctl(
+    let id = gpuctl_submit(
         &c,
         &[
             "sbatch",
@@ -301,13 +301,6 @@ async fn a_batch_script_runs_with_its_sbatch_directives_and_writes_its_output_fi
             "--b",
         ],
     );
-    assert!(ok, "{err}");
-    let id: u64 = out
-        .trim()
-        .strip_prefix("Submitted job ")
-        .unwrap()
-        .parse()
-        .unwrap();
     let job = wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
         j.state == "succeeded"
     })
@@ -326,7 +319,7 @@ async fn a_batch_script_runs_with_its_sbatch_directives_and_writes_its_output_fi
     assert_eq!(errors.trim(), "to-stderr");
 
     step("the command line overrides a directive; an unknown directive is refused by name");
-    let (ok, out, err) = gpuctl(
+    let id = gpuctl_submit(
         &c,
         &[
             "submit",
@@ -337,13 +330,6 @@ async fn a_batch_script_runs_with_its_sbatch_directives_and_writes_its_output_fi
             script.to_str().unwrap(),
         ],
     );
-    assert!(ok, "{err}");
-    let id: u64 = out
-        .trim()
-        .strip_prefix("Submitted job ")
-        .unwrap()
-        .parse()
-        .unwrap();
     let job = wait_job(&mut client, id, JOB_TIMEOUT, "succeeded", |j| {
         j.state == "succeeded"
     })

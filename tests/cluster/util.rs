@@ -159,6 +159,25 @@ pub fn follower_of(s: &pb::ClusterStatusResponse) -> u64 {
         .expect("a follower")
 }
 
+/// `gpuctl ARGS` that submits a job (`submit`, `sbatch`) and must succeed: the job's id.
+pub fn gpuctl_submit(c: &LocalCluster, args: &[&str]) -> u64 {
+    let (ok, out, err) = gpuctl(c, args);
+    assert!(ok, "gpuctl {args:?}: {err}");
+    out.trim()
+        .strip_prefix("Submitted job ")
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("not a submission: {out}"))
+}
+
+/// Waits until job `id` is in `state`: the reason of its last change.
+pub async fn final_reason(client: &mut Client, id: u64, timeout: Duration, state: &str) -> String {
+    let job = wait_job(client, id, timeout, state, |j| j.state == state).await;
+    job.history
+        .last()
+        .map(|h| h.reason.clone())
+        .unwrap_or_default()
+}
+
 /// Runs gpuctl against the cluster and returns (exit success, stdout, stderr).
 pub fn gpuctl(c: &LocalCluster, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(gpuctl_bin())

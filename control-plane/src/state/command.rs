@@ -75,16 +75,12 @@ pub struct TaskUsage {
     pub oom_kills: u64,
     /// From the driver's per-process samples (NVML hosts; 0 elsewhere): rounds it was seen
     /// on a GPU, its average SM utilisation (percent, over its GPUs), its GPU memory peak.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "super::types::is_zero")]
     pub gpu_samples: u64,
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "super::types::is_zero")]
     pub gpu_sm_percent_avg: u64,
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "super::types::is_zero")]
     pub gpu_peak_memory_bytes: u64,
-}
-
-fn is_zero(v: &u64) -> bool {
-    *v == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

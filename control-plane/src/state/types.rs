@@ -350,15 +350,16 @@ pub struct JobUsage {
     pub tasks_measured: u64,
     /// GPU samples over its tasks, the sum of their SM utilisation (for a sample-weighted
     /// average) and the largest GPU memory peak of any task (NVML hosts).
-    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub gpu_samples: u64,
-    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub gpu_sm_percent_sum: u64,
-    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub gpu_peak_memory_bytes: u64,
 }
 
-fn is_zero_u64(v: &u64) -> bool {
+/// For `skip_serializing_if`: a count that is 0 is left out of the entry.
+pub(crate) fn is_zero(v: &u64) -> bool {
     *v == 0
 }
 

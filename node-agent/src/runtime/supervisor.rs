@@ -177,8 +177,9 @@ impl Runtime {
         remove_if_present(&self.layout.legacy_exit_file(id))?;
 
         let mut record = AllocationRecord::launching(spec, now_ms());
+        // The allocation's cgroup enforces them, or a container carries them itself.
+        let limits = cgroup_limits(&record.spec, self.config.driver_majors);
         if let Some(cgroups) = &self.config.cgroups {
-            let limits = cgroup_limits(&record.spec, self.config.driver_majors);
             let (cg, enforced) = cgroups
                 .create(&cgroup_name(id), &limits)
                 .map_err(|source| RuntimeError::Cgroup {
@@ -193,7 +194,7 @@ impl Runtime {
             return Err(e);
         }
 
-        let command = match self.container_command(&record) {
+        let command = match self.container_command(&record, limits) {
             Ok(command) => command,
             Err(e) => {
                 self.remove_cgroup(&record);
@@ -542,7 +543,11 @@ impl Runtime {
 
     /// What the shim runs for `record`: the job's command, or for a container job the
     /// container runner with the container's whole description.
-    fn container_command(&self, record: &AllocationRecord) -> Result<Vec<String>, RuntimeError> {
+    fn container_command(
+        &self,
+        record: &AllocationRecord,
+        limits: crate::cgroup::Limits,
+    ) -> Result<Vec<String>, RuntimeError> {
         let spec = &record.spec;
         let (Some(container), Some(engine)) = (&spec.container, &self.config.containers) else {
             return Ok(spec.command.clone());
@@ -576,7 +581,6 @@ impl Runtime {
             .filter(|cg| engine.cgroupfs_driver && !cg.is_v2() && record.cgroup.is_some())
             .map(|cg| cg.relative_path(&cgroup_name(spec.allocation_id)));
         let own = |v: Option<u64>| v.filter(|_| cgroup_parent.is_none());
-        let limits = cgroup_limits(spec, self.config.driver_majors);
         let runner = super::container::RunnerSpec {
             name: super::container::container_name(&self.config.state_dir, spec.allocation_id),
             socket: engine.socket.clone(),

@@ -277,6 +277,7 @@ async fn cancel(client: &mut Client, job: u64, c: u32, recorder: &Recorder, next
                 pb::CancelJobRequest {
                     id: job,
                     reason: "chaos workload".into(),
+                    ..Default::default()
                 },
                 t,
             ))

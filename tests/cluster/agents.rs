@@ -238,6 +238,7 @@ async fn a_killed_agents_job_moves_only_after_its_lease_and_never_runs_twice() {
                 pb::CancelJobRequest {
                     id,
                     reason: String::new(),
+                    ..Default::default()
                 },
                 t,
             ))
@@ -550,6 +551,7 @@ async fn a_job_cancelled_before_its_agent_started_it_releases_its_gpus() {
                 pb::CancelJobRequest {
                     id,
                     reason: String::new(),
+                    ..Default::default()
                 },
                 t,
             ))

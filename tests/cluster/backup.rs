@@ -190,6 +190,7 @@ async fn a_cluster_restored_from_a_backup_has_every_record_and_places_pending_wo
                 pb::CancelJobRequest {
                     id: cancelled,
                     reason: "not needed".into(),
+                    ..Default::default()
                 },
                 t,
             ))

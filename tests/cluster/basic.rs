@@ -100,6 +100,7 @@ async fn watch_streams_committed_changes_from_any_replica() {
                 pb::CancelJobRequest {
                     id,
                     reason: "test".into(),
+                    ..Default::default()
                 },
                 t,
             ))

@@ -131,6 +131,7 @@ async fn cancel(client: &mut Client, id: u64) -> Result<pb::CancelJobResponse, t
                 pb::CancelJobRequest {
                     id,
                     reason: String::new(),
+                    ..Default::default()
                 },
                 t,
             ))

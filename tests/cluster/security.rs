@@ -453,6 +453,7 @@ async fn a_user_token_stays_inside_its_tenant() {
                 pb::CancelJobRequest {
                     id: theirs,
                     reason: String::new(),
+                    ..Default::default()
                 },
                 t,
             ))

@@ -934,6 +934,7 @@ impl Upgrade {
             let req = pb::CancelJobRequest {
                 id: l.id,
                 reason: "upgrade test done".into(),
+                ..Default::default()
             };
             self.client
                 .call(|mut c, t| {

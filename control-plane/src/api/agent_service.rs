@@ -214,6 +214,7 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                 }),
                 stdout_path: job.spec.stdout_path.clone().unwrap_or_default(),
                 stderr_path: job.spec.stderr_path.clone().unwrap_or_default(),
+                ..array_fields(job)
             })
         })
         .collect();
@@ -221,6 +222,23 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
         term,
         epoch: cluster.last_allocation_id,
         allocations,
+    }
+}
+
+/// The job-array fields of an assignment (all zero for a job outside an array): the array's
+/// id and size, this job's index, the lowest and highest index.
+fn array_fields(job: &crate::state::Job) -> pa::Assignment {
+    let (Some(task), Some(array)) = (job.array_task, &job.spec.array) else {
+        return pa::Assignment::default();
+    };
+    let (min, max) = array.index_bounds();
+    pa::Assignment {
+        array_job_id: task.array_id,
+        array_task_id: task.index,
+        array_task_count: task.count,
+        array_task_min: min,
+        array_task_max: max,
+        ..Default::default()
     }
 }
 

@@ -366,6 +366,8 @@ pub async fn authenticate_caller<T>(
 pub enum Action {
     SubmitJob,
     CancelJob,
+    /// Hold, release, requeue or update jobs.
+    ChangeJobs,
     ReadJobs,
     ReadLogs,
     ReadCluster,
@@ -380,9 +382,10 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 12] = [
+    pub const ALL: [Action; 13] = [
         Action::SubmitJob,
         Action::CancelJob,
+        Action::ChangeJobs,
         Action::ReadJobs,
         Action::ReadLogs,
         Action::ReadCluster,
@@ -399,6 +402,7 @@ impl Action {
         match self {
             Action::SubmitJob => "submit jobs",
             Action::CancelJob => "cancel jobs",
+            Action::ChangeJobs => "hold, release, requeue or update jobs",
             Action::ReadJobs => "read jobs",
             Action::ReadLogs => "read job logs",
             Action::ReadCluster => "read nodes, tenants, partitions and cluster status",
@@ -427,7 +431,7 @@ pub fn allowed(role: ApiRole, action: Action) -> bool {
         ),
         ApiRole::User => matches!(
             action,
-            SubmitJob | CancelJob | ReadJobs | ReadLogs | ReadCluster | ReadAudit
+            SubmitJob | CancelJob | ChangeJobs | ReadJobs | ReadLogs | ReadCluster | ReadAudit
         ),
     }
 }

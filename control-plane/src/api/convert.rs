@@ -91,7 +91,64 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
         stdout_path: non_empty(spec.stdout_path),
         stderr_path: non_empty(spec.stderr_path),
         hold_if_unfit: spec.hold_if_unfit,
+        nodelist: sorted_names(spec.nodelist),
+        exclude: sorted_names(spec.exclude),
+        exclusive: spec.exclusive,
+        begin_at: (spec.begin_at_ms > 0).then_some(spec.begin_at_ms),
+        hold: spec.hold,
+        array: spec.array.as_ref().map(array_spec_from_proto),
     })
+}
+
+/// Node names as the state keeps them: sorted, distinct.
+pub fn sorted_names(mut names: Vec<String>) -> Vec<String> {
+    names.sort();
+    names.dedup();
+    names
+}
+
+pub fn array_spec_from_proto(a: &pb::ArraySpec) -> state::ArraySpec {
+    state::ArraySpec {
+        ranges: a
+            .ranges
+            .iter()
+            .map(|r| state::ArrayRange {
+                first: r.first,
+                last: r.last,
+                step: r.step,
+            })
+            .collect(),
+        max_running: a.max_running,
+    }
+}
+
+fn array_spec_to_proto(a: &state::ArraySpec) -> pb::ArraySpec {
+    pb::ArraySpec {
+        ranges: a
+            .ranges
+            .iter()
+            .map(|r| pb::ArrayRange {
+                first: r.first,
+                last: r.last,
+                step: r.step,
+            })
+            .collect(),
+        max_running: a.max_running,
+    }
+}
+
+/// An update as the state applies it (node lists sorted).
+pub fn job_update_from_proto(u: pb::JobUpdate) -> state::JobUpdate {
+    state::JobUpdate {
+        name: u.name,
+        time_limit_secs: u.time_limit_secs,
+        priority_class: u.priority_class,
+        partition: u.partition,
+        begin_at: u.begin_at_ms,
+        nodelist: u.nodelist.map(|l| sorted_names(l.nodes)),
+        exclude: u.exclude.map(|l| sorted_names(l.nodes)),
+        max_running: u.max_running,
+    }
 }
 
 pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
@@ -141,6 +198,12 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
         stdout_path: spec.stdout_path.clone().unwrap_or_default(),
         stderr_path: spec.stderr_path.clone().unwrap_or_default(),
         hold_if_unfit: spec.hold_if_unfit,
+        nodelist: spec.nodelist.clone(),
+        exclude: spec.exclude.clone(),
+        exclusive: spec.exclusive,
+        begin_at_ms: spec.begin_at.unwrap_or(0),
+        hold: spec.hold,
+        array: spec.array.as_ref().map(array_spec_to_proto),
     }
 }
 
@@ -198,6 +261,16 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             gpu_samples: u.gpu_samples,
         }),
         pending_reason: String::new(),
+        held: job.held,
+        array_task: job.array_task.map(|t| pb::ArrayTask {
+            array_id: t.array_id,
+            index: t.index,
+            count: t.count,
+        }),
+        exit: job.exit.map(|e| pb::JobExit {
+            code: e.code,
+            signal: e.signal,
+        }),
     }
 }
 
@@ -250,6 +323,9 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
         redacted: false,
         usage: None,
         pending_reason: String::new(),
+        held: false,
+        array_task: None,
+        exit: None,
     }
 }
 
@@ -440,6 +516,19 @@ mod tests {
             stdout_path: Some("out-%j.txt".into()),
             stderr_path: Some("/logs/%x-%j.err".into()),
             hold_if_unfit: true,
+            nodelist: vec!["gpu01".into(), "gpu02".into()],
+            exclude: vec!["gpu09".into()],
+            exclusive: true,
+            begin_at: Some(1_800_000_000_000),
+            hold: true,
+            array: Some(crate::state::ArraySpec {
+                ranges: vec![crate::state::ArrayRange {
+                    first: 0,
+                    last: 99,
+                    step: 3,
+                }],
+                max_running: 8,
+            }),
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

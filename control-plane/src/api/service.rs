@@ -21,7 +21,7 @@ use crate::replica::{ApiError, Replica};
 use crate::scheduler::reasons::{self, ShapeMemo};
 use crate::state::validate::{validate_idempotency_key, validate_job_spec};
 use crate::state::{
-    ClusterState, Command, GpuHealth, Job, JobState, NodeStatus, Outcome, Rejection,
+    ClusterState, Command, GpuHealth, Job, JobChange, JobState, NodeStatus, Outcome, Rejection,
 };
 
 pub struct ControlPlaneService {
@@ -297,6 +297,67 @@ fn audit_to_proto(a: &crate::state::AuditRecord) -> pb::AuditRecord {
 }
 
 /// Longest reason a cancel or drain may carry (it is kept in the job's history).
+/// The jobs a request naming job `id` acts on: every job of the array when `id` is an
+/// array's id (as `scancel` and `scontrol` take it), unless `only_this_job`.
+fn job_targets(cluster: &ClusterState, id: u64, only_this_job: bool) -> Vec<u64> {
+    match cluster.job(id).and_then(|j| j.array_task) {
+        Some(t) if t.array_id == id && !only_this_job => cluster
+            .jobs
+            .range(id..id.saturating_add(u64::from(t.count)))
+            .map(|(id, _)| *id)
+            .collect(),
+        _ => vec![id],
+    }
+}
+
+/// `targets` split into those `change` applies to and those it is refused for (with why).
+fn split_by_refusal(
+    cluster: &ClusterState,
+    targets: &[u64],
+    change: &JobChange,
+) -> (Vec<u64>, Vec<(u64, String)>) {
+    let mut ok = Vec::new();
+    let mut refused = Vec::new();
+    for &id in targets {
+        match cluster.change_refusal(id, change) {
+            None => ok.push(id),
+            Some(r) => refused.push((id, r.message)),
+        }
+    }
+    (ok, refused)
+}
+
+/// The change a `ChangeJobRequest` asks for, checked.
+fn job_change_from_proto(
+    change: Option<pb::change_job_request::Change>,
+) -> Result<JobChange, Rejection> {
+    use pb::change_job_request::Change;
+    Ok(match change {
+        None => {
+            return Err(Rejection::invalid(
+                "change",
+                "names no change: hold, release, requeue or update",
+            ));
+        }
+        Some(Change::Hold(_)) => JobChange::Hold,
+        Some(Change::Release(_)) => JobChange::Release,
+        Some(Change::Requeue(q)) => {
+            validate_reason(&q.reason)?;
+            JobChange::Requeue { reason: q.reason }
+        }
+        Some(Change::Update(u)) => {
+            let u = convert::job_update_from_proto(u);
+            for list in [&u.nodelist, &u.exclude].into_iter().flatten() {
+                crate::state::validate::validate_node_lists(list, &[])?;
+            }
+            if u.is_empty() {
+                return Err(Rejection::invalid("update", "changes nothing"));
+            }
+            JobChange::Update(u)
+        }
+    })
+}
+
 const MAX_REASON_BYTES: usize = 1024;
 
 fn validate_reason(reason: &str) -> Result<(), Rejection> {
@@ -391,7 +452,13 @@ impl ControlPlane for ControlPlaneService {
                     .await?
                 {
                     Outcome::JobSubmitted { id, created } => {
-                        Ok(pb::SubmitJobResponse { id, created })
+                        let jobs =
+                            r.sm.read()
+                                .cluster
+                                .job(id)
+                                .and_then(|j| j.array_task)
+                                .map_or(1, |t| t.count);
+                        Ok(pb::SubmitJobResponse { id, created, jobs })
                     }
                     other => Err(unexpected(other)),
                 }
@@ -422,20 +489,40 @@ impl ControlPlane for ControlPlaneService {
                 // refused cancel is answered without adding an entry to the log. A follower
                 // may lag, so it leaves the question to the leader.
                 current_leader_state(r).await?;
-                {
+                let array = {
                     let data = r.sm.read_async().await;
-                    if let Some(refusal) = data.cluster.cancel_refusal(req.id) {
-                        return Err(refusal.into());
-                    }
                     // A job's tenant never changes, so this check cannot go stale before the
                     // write.
                     if let Some(t) = job_tenant(&data.cluster, req.id) {
                         caller.require_tenant(t, "cancel jobs")?;
                     }
-                }
-                let command = Command::cancel(req.id, req.reason).by(caller.actor());
+                    let targets = job_targets(&data.cluster, req.id, req.only_this_job);
+                    if targets.len() > 1 {
+                        let change = JobChange::Cancel {
+                            reason: req.reason.clone(),
+                        };
+                        let (live, _) = split_by_refusal(&data.cluster, &targets, &change);
+                        if live.is_empty() {
+                            return Err(Rejection::precondition(format!(
+                                "every job of array {} has already ended",
+                                req.id
+                            ))
+                            .into());
+                        }
+                        Some(Command::ChangeJobs { jobs: live, change })
+                    } else {
+                        if let Some(refusal) = data.cluster.cancel_refusal(req.id) {
+                            return Err(refusal.into());
+                        }
+                        None
+                    }
+                };
+                let command = array
+                    .unwrap_or_else(|| Command::cancel(req.id, req.reason))
+                    .by(caller.actor());
                 match r.write(command).await? {
-                    Outcome::JobCancelled { id } => {
+                    Outcome::JobCancelled { .. } | Outcome::JobsChanged { .. } => {
+                        let id = req.id;
                         let data = r.sm.read();
                         let job = data
                             .cluster
@@ -447,6 +534,79 @@ impl ControlPlane for ControlPlaneService {
                 }
             },
             |ch, req| async move { ControlPlaneClient::new(ch).cancel_job(req).await },
+        )
+        .await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.ChangeJob")]
+    async fn change_job(
+        &self,
+        request: Request<pb::ChangeJobRequest>,
+    ) -> Result<Response<pb::ChangeJobResponse>, Status> {
+        let r = &self.replica;
+        route(
+            r,
+            request,
+            |caller, req| async move {
+                caller.require(Action::ChangeJobs)?;
+                let change = job_change_from_proto(req.change)?;
+                if let JobChange::Update(u) = &change
+                    && u.max_running.is_some()
+                    && req.only_this_job
+                {
+                    return Err(Rejection::invalid(
+                        "max_running",
+                        "the limit of running jobs is the array's: update the array's id",
+                    )
+                    .into());
+                }
+                // On the leader, as for a cancel: a refused change adds nothing to the log.
+                current_leader_state(r).await?;
+                let (jobs, mut refused) = {
+                    let data = r.sm.read_async().await;
+                    if let Some(t) = job_tenant(&data.cluster, req.id) {
+                        caller.require_tenant(t, "change jobs")?;
+                    }
+                    let targets = job_targets(&data.cluster, req.id, req.only_this_job);
+                    let (jobs, refused) = split_by_refusal(&data.cluster, &targets, &change);
+                    if jobs.is_empty() {
+                        let first = targets
+                            .first()
+                            .and_then(|&id| data.cluster.change_refusal(id, &change));
+                        return Err(match (targets.len(), first) {
+                            (1, Some(refusal)) => refusal.into(),
+                            _ => Rejection::precondition(format!(
+                                "no job of array {} can be changed: {}",
+                                req.id,
+                                refused
+                                    .first()
+                                    .map_or("", |(_, why): &(u64, String)| why.as_str())
+                            ))
+                            .into(),
+                        });
+                    }
+                    (jobs, refused)
+                };
+                let command = Command::ChangeJobs { jobs, change }.by(caller.actor());
+                match r.write(command).await? {
+                    Outcome::JobsChanged {
+                        changed,
+                        refused: at_apply,
+                    } => {
+                        refused.extend(at_apply);
+                        refused.sort_unstable();
+                        Ok(pb::ChangeJobResponse {
+                            changed,
+                            refused: refused
+                                .into_iter()
+                                .map(|(id, reason)| pb::JobRefusal { id, reason })
+                                .collect(),
+                        })
+                    }
+                    other => Err(unexpected(other)),
+                }
+            },
+            |ch, req| async move { ControlPlaneClient::new(ch).change_job(req).await },
         )
         .await
     }

@@ -1,5 +1,6 @@
-//! `gpuctl accounting` (alias `sacct`): what each tenant's jobs used, as Slurm's `sreport`
-//! sums `sacct`: jobs by final state, GPU-hours held (from each job's time running, times
+//! `gpuctl sacct`: one line per job (elapsed time, GPU-hours, exit code), and `gpuctl
+//! accounting` (alias `sreport`): what each tenant's jobs used, as Slurm's `sreport` sums
+//! `sacct`: jobs by final state, GPU-hours held (from each job's time running, times
 //! the GPUs its tasks held), and, from the cgroups of enforcing nodes, CPU-hours, the
 //! largest memory peak and OOM kills. Computed by the client from the jobs the control
 //! plane still holds in full; archived jobs keep no history or usage and are counted only.
@@ -69,6 +70,137 @@ fn running_ms(job: &pb::Job, now_ms: u64) -> u64 {
     total
 }
 
+/// GPU-milliseconds a job held while running (every task, a share at its fraction).
+fn gpu_ms_of(job: &pb::Job, now_ms: u64) -> u128 {
+    let spec = job.spec.clone().unwrap_or_default();
+    let tasks = spec.tasks.max(1) as u128;
+    u128::from(running_ms(job, now_ms)) * tasks * u128::from(gpu_milli_per_task(&spec)) / 1000
+}
+
+/// `gpuctl sacct`: one job a line, as Slurm's sacct prints them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SacctArgs {
+    /// Only this tenant's jobs.
+    #[arg(long, short = 'A', alias = "account")]
+    pub tenant: Option<String>,
+    /// Only jobs submitted at or after this time (RFC 3339; default: every job the control
+    /// plane still holds in full).
+    #[arg(long, short = 'S', alias = "starttime", value_parser = parse_time)]
+    pub since: Option<u64>,
+    /// Only jobs in these states (succeeded, failed, cancelled, timed_out, running, ...).
+    #[arg(long = "state", short = 's', value_delimiter = ',')]
+    pub states: Vec<String>,
+}
+
+/// One line of sacct: the job, how long it ran, what it held, how it ended. Pure.
+pub fn sacct_row(j: &pb::Job, now_ms: u64) -> Vec<String> {
+    let spec = j.spec.clone().unwrap_or_default();
+    let gpus = if spec.gpu_milli > 0 {
+        format!("{}x{}m", spec.tasks, spec.gpu_milli)
+    } else {
+        format!("{}x{}", spec.tasks, spec.gpus_per_task)
+    };
+    let ended = j
+        .history
+        .last()
+        .filter(|h| {
+            matches!(
+                h.state.as_str(),
+                "succeeded" | "failed" | "cancelled" | "timed_out"
+            )
+        })
+        .map_or("-".to_owned(), |h| super::output::format_time(h.at_ms));
+    vec![
+        super::slurm_syntax::job_id_text(j),
+        if j.redacted {
+            "(hidden)".into()
+        } else {
+            printable(&spec.name)
+        },
+        printable(&spec.tenant),
+        if spec.partition.is_empty() {
+            "-".into()
+        } else {
+            printable(&spec.partition)
+        },
+        j.state.to_uppercase(),
+        super::output::format_duration(running_ms(j, now_ms) / 1000),
+        gpus,
+        format!("{:.2}", gpu_ms_of(j, now_ms) as f64 / 3_600_000.0),
+        j.exit
+            .as_ref()
+            .map_or("-".into(), |e| format!("{}:{}", e.code, e.signal)),
+        ended,
+    ]
+}
+
+pub async fn sacct(client: &mut Client, args: SacctArgs, fmt: Format) -> anyhow::Result<()> {
+    let tenant = args.tenant.clone().unwrap_or_default();
+    let states = args.states.clone();
+    let resp = client
+        .call(|mut c, t| {
+            let (tenant, states) = (tenant.clone(), states.clone());
+            async move {
+                let req = pb::ListJobsRequest {
+                    tenant,
+                    states,
+                    include_finished: true,
+                    ..Default::default()
+                };
+                c.list_jobs(with_timeout(req, t)).await
+            }
+        })
+        .await?;
+    let now_ms = crate::replica::now_ms();
+    let jobs: Vec<&pb::Job> = resp
+        .jobs
+        .iter()
+        .filter(|j| args.since.is_none_or(|s| j.submitted_at_ms >= s))
+        .collect();
+    match fmt {
+        Format::Json | Format::Yaml => println!(
+            "{}",
+            json!({"jobs": jobs.iter().map(|j| json!({
+                "id": j.id,
+                "job": super::slurm_syntax::job_id_text(j),
+                "name": j.spec.as_ref().map(|s| s.name.clone()),
+                "tenant": j.spec.as_ref().map(|s| s.tenant.clone()),
+                "state": j.state,
+                "elapsed_secs": running_ms(j, now_ms) / 1000,
+                "gpu_hours": gpu_ms_of(j, now_ms) as f64 / 3_600_000.0,
+                "exit_code": j.exit.as_ref().map(|e| e.code),
+                "exit_signal": j.exit.as_ref().map(|e| e.signal),
+                "usage": j.usage.as_ref().map(|u| json!({
+                    "cpu_ms": u.cpu_ms, "peak_memory_bytes": u.peak_memory_bytes,
+                    "oom_kills": u.oom_kills,
+                })),
+            })).collect::<Vec<_>>()})
+        ),
+        Format::Table | Format::Wide => {
+            let rows: Vec<Vec<String>> = jobs.iter().map(|j| sacct_row(j, now_ms)).collect();
+            print!(
+                "{}",
+                table(
+                    &[
+                        "JOBID",
+                        "NAME",
+                        "TENANT",
+                        "PARTITION",
+                        "STATE",
+                        "ELAPSED",
+                        "TASKSxGPUS",
+                        "GPU_HOURS",
+                        "EXITCODE",
+                        "END",
+                    ],
+                    &rows
+                )
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Sums `jobs` by tenant. Pure, so it is tested on its own.
 pub fn sum_by_tenant(jobs: &[pb::Job], now_ms: u64) -> BTreeMap<String, TenantUse> {
     let mut out: BTreeMap<String, TenantUse> = BTreeMap::new();
@@ -77,10 +209,7 @@ pub fn sum_by_tenant(jobs: &[pb::Job], now_ms: u64) -> BTreeMap<String, TenantUs
         let t = out.entry(spec.tenant.clone()).or_default();
         t.jobs += 1;
         *t.by_state.entry(j.state.clone()).or_default() += 1;
-        let tasks = spec.tasks.max(1) as u128;
-        t.gpu_ms +=
-            u128::from(running_ms(j, now_ms)) * tasks * u128::from(gpu_milli_per_task(&spec))
-                / 1000;
+        t.gpu_ms += gpu_ms_of(j, now_ms);
         if let Some(u) = &j.usage {
             t.cpu_ms += u.cpu_ms;
             t.peak_memory_bytes = t.peak_memory_bytes.max(u.peak_memory_bytes);
@@ -257,6 +386,39 @@ mod tests {
         );
         j.spec.as_mut().unwrap().gpu_milli = 250;
         assert_eq!(sum_by_tenant(&[j], 0)["t"].gpu_ms, 250);
+    }
+
+    #[test]
+    fn sacct_shows_elapsed_gpu_hours_and_the_exit_code() {
+        let hour = 3_600_000;
+        let mut j = job(
+            "vision",
+            "failed",
+            2,
+            2,
+            &[("pending", 0), ("running", hour), ("failed", 3 * hour)],
+            None,
+        );
+        j.id = 45;
+        j.array_task = Some(pb::ArrayTask {
+            array_id: 41,
+            index: 4,
+            count: 8,
+        });
+        j.exit = Some(pb::JobExit { code: 3, signal: 0 });
+        j.spec.as_mut().unwrap().name = "sweep\x1b[2J".into();
+        let row = sacct_row(&j, 10 * hour);
+        assert_eq!(row[0], "41_4");
+        assert!(!row[1].contains('\x1b'), "names are escaped: {}", row[1]);
+        assert_eq!(row[4], "FAILED");
+        assert_eq!(row[5], "02:00:00");
+        assert_eq!(row[6], "2x2");
+        assert_eq!(row[7], "8.00");
+        assert_eq!(row[8], "3:0");
+        assert_ne!(row[9], "-");
+        let running = job("t", "running", 1, 1, &[("running", 9 * hour)], None);
+        let row = sacct_row(&running, 10 * hour);
+        assert_eq!((row[8].as_str(), row[9].as_str()), ("-", "-"));
     }
 
     #[test]

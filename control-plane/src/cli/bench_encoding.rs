@@ -38,7 +38,8 @@ use crate::state::{self, ClusterState, Command, Request};
 ///   PutPartition put_partition = 11; Preempt preempt = 12; CompactJobs compact_jobs = 13;
 ///   Batch batch = 14; CreateToken create_token = 15; RevokeToken revoke_token = 16;
 ///   AuditNote audit_note = 17; CompactAudit compact_audit = 18;
-///   SetClusterVersion set_cluster_version = 19; Attributed attributed = 20; } }
+///   SetClusterVersion set_cluster_version = 19; Attributed attributed = 20;
+///   ChangeJobs change_jobs = 21; } }
 /// message JobSpec { string tenant = 1; string name = 2; repeated string command = 3;
 ///   uint32 gpus_per_task = 4; uint32 tasks = 5; repeated string gpu_models = 6;
 ///   optional string partition = 7; string priority_class = 8; optional uint64 time_limit_secs = 9;
@@ -63,7 +64,7 @@ pub mod pb {
     pub struct Command {
         #[prost(
             oneof = "Kind",
-            tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20"
+            tags = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21"
         )]
         pub kind: Option<Kind>,
     }
@@ -110,6 +111,18 @@ pub mod pb {
         SetClusterVersion(u32),
         #[prost(message, tag = "20")]
         Attributed(Attributed),
+        #[prost(message, tag = "21")]
+        ChangeJobs(ChangeJobs),
+    }
+
+    /// `ChangeJobs`: the jobs, and the change as its JSON (operators' commands, a few per day:
+    /// no benchmark run proposes one, and their size does not matter).
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ChangeJobs {
+        #[prost(uint64, repeated, tag = "1")]
+        pub jobs: Vec<u64>,
+        #[prost(string, tag = "2")]
+        pub change_json: String,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -757,6 +770,10 @@ pub fn command_to(c: &Command) -> pb::Command {
             max_records: retention.max_records,
         }),
         Command::SetClusterVersion { version } => K::SetClusterVersion(*version),
+        Command::ChangeJobs { jobs, change } => K::ChangeJobs(pb::ChangeJobs {
+            jobs: jobs.clone(),
+            change_json: serde_json::to_string(change).unwrap_or_default(),
+        }),
         Command::Attributed { actor, command } => K::Attributed(pb::Attributed {
             actor: Some(pb::Actor {
                 principal: actor.principal.clone(),
@@ -835,6 +852,7 @@ fn spec_from(s: pb::JobSpec) -> Result<state::JobSpec, String> {
         stdout_path: None,
         stderr_path: None,
         hold_if_unfit: false,
+        ..Default::default()
     })
 }
 
@@ -1026,6 +1044,10 @@ pub fn command_from(c: pb::Command) -> Result<Command, String> {
             },
         },
         K::SetClusterVersion(version) => Command::SetClusterVersion { version },
+        K::ChangeJobs(c) => Command::ChangeJobs {
+            jobs: c.jobs,
+            change: serde_json::from_str(&c.change_json).map_err(|e| format!("change: {e}"))?,
+        },
         K::Attributed(a) => {
             let actor = a.actor.ok_or_else(|| missing("actor"))?;
             Command::Attributed {
@@ -1361,6 +1383,7 @@ mod tests {
             stdout_path: None,
             stderr_path: None,
             hold_if_unfit: false,
+            ..Default::default()
         };
         let token = TokenRecord {
             id: "0123456789abcdef".into(),
@@ -1532,6 +1555,14 @@ mod tests {
                 },
             },
             Command::SetClusterVersion { version: 2 },
+            Command::ChangeJobs {
+                jobs: vec![3, 4],
+                change: state::JobChange::Update(state::JobUpdate {
+                    time_limit_secs: Some(60),
+                    nodelist: Some(vec!["n1".into()]),
+                    ..Default::default()
+                }),
+            },
         ];
         let mut all = commands.clone();
         all.extend(

@@ -245,6 +245,7 @@ async fn cancel_all(client: &mut Client, ids: &[u64]) {
         let req = pb::CancelJobRequest {
             id: *id,
             reason: "bench rollout done".into(),
+            ..Default::default()
         };
         let _ = client
             .call(|mut c, t| {

@@ -270,6 +270,7 @@ pub async fn delete(client: &mut Client, args: NamedArgs, fmt: Format) -> anyhow
                 pb::CancelJobRequest {
                     id,
                     reason: "deleted (gpuctl delete)".into(),
+                    ..Default::default()
                 },
                 t,
             ))

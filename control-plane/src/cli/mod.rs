@@ -22,6 +22,7 @@ mod bench_submit;
 mod bench_submit_closed;
 mod certs;
 mod dev;
+mod job_control;
 mod kube;
 mod logs;
 mod manifest;
@@ -30,6 +31,7 @@ pub mod output;
 pub mod parse;
 pub mod replay;
 mod simulate;
+pub mod slurm_syntax;
 mod submit;
 mod tokens;
 mod why;
@@ -49,6 +51,7 @@ use crate::client::{
 use crate::config::ReplicaArgs;
 use crate::replica::now_ms;
 use output::Format;
+use slurm_syntax::JobRef;
 
 #[derive(Parser)]
 #[command(
@@ -112,22 +115,43 @@ pub enum Command {
     #[command(alias = "squeue", alias = "list")]
     Queue(QueueArgs),
     /// Why a job is pending, and what would have to change for it to run.
-    Why { job: u64 },
-    /// Show one job in detail.
+    Why { job: JobRef },
+    /// Show one job in detail (`41`, or `41_7` for index 7 of array 41).
     Show {
-        job: u64,
+        job: JobRef,
         /// Read from the answering replica without a leader round-trip (may be slightly behind).
         #[arg(long)]
         stale: bool,
     },
-    /// Cancel jobs.
+    /// Cancel jobs (`41`; an array's id cancels every job of the array, `41_7` one of them).
     #[command(alias = "scancel")]
     Cancel {
         #[arg(required = true)]
-        jobs: Vec<u64>,
+        jobs: Vec<JobRef>,
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Keep pending jobs from starting until released (scontrol hold).
+    Hold {
+        #[arg(required = true)]
+        jobs: Vec<JobRef>,
+    },
+    /// Let held jobs start again; their queue time counts from now (scontrol release).
+    Release {
+        #[arg(required = true)]
+        jobs: Vec<JobRef>,
+    },
+    /// Stop running jobs and queue them again, or queue finished ones again (scontrol
+    /// requeue).
+    Requeue {
+        #[arg(required = true)]
+        jobs: Vec<JobRef>,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Change a pending job's time limit, partition, priority, begin time or node lists, a
+    /// job's name, or an array's limit (scontrol update).
+    Update(job_control::UpdateArgs),
     /// Stream job changes as they are committed.
     Watch {
         #[arg(long, default_value = "")]
@@ -174,8 +198,11 @@ pub enum Command {
     Audit(tokens::AuditArgs),
     /// What each tenant's jobs used: jobs by state, GPU-hours, and from enforcing nodes'
     /// cgroups CPU-hours, memory peaks and OOM kills.
-    #[command(alias = "sacct", alias = "sreport")]
+    #[command(alias = "sreport")]
     Accounting(accounting::AccountingArgs),
+    /// Jobs one a line, finished ones included: elapsed time, GPU-hours, exit code (Slurm's
+    /// sacct).
+    Sacct(accounting::SacctArgs),
     /// Who the control plane takes you for (principal, role, tenant).
     Whoami,
     /// Create the cluster CA and certificates for replicas, nodes and clients (offline).
@@ -473,8 +500,28 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Why { job } => why::run(&mut client, job, fmt).await?,
+        Command::Why { job } => {
+            let job = job_control::resolve_one(&mut client, job).await?;
+            why::run(&mut client, job, fmt).await?
+        }
+        Command::Hold { jobs } => {
+            let change = pb::change_job_request::Change::Hold(pb::HoldJob {});
+            job_control::change(&mut client, jobs, change, fmt).await?
+        }
+        Command::Release { jobs } => {
+            let change = pb::change_job_request::Change::Release(pb::ReleaseJob {});
+            job_control::change(&mut client, jobs, change, fmt).await?
+        }
+        Command::Requeue { jobs, reason } => {
+            let change = pb::change_job_request::Change::Requeue(pb::RequeueJob { reason });
+            job_control::change(&mut client, jobs, change, fmt).await?
+        }
+        Command::Update(args) => {
+            let change = pb::change_job_request::Change::Update(job_control::build_update(&args)?);
+            job_control::change(&mut client, vec![args.job], change, fmt).await?
+        }
         Command::Show { job, stale } => {
+            let job = job_control::resolve_one(&mut client, job).await?;
             let j = client
                 .call(|mut c, t| async move {
                     c.get_job(with_timeout(
@@ -493,41 +540,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Cancel { jobs, reason } => {
-            let mut failed = 0;
-            let mut results = Vec::new();
-            for id in jobs {
-                let reason = reason.clone();
-                let r = client
-                    .call(|mut c, t| {
-                        let reason = reason.clone();
-                        async move {
-                            c.cancel_job(with_timeout(pb::CancelJobRequest { id, reason }, t))
-                                .await
-                        }
-                    })
-                    .await;
-                match r {
-                    Ok(_) => {
-                        results.push(json!({"id": id, "cancelled": true}));
-                        if fmt.is_table() {
-                            println!("job {id} cancelled");
-                        }
-                    }
-                    Err(s) => {
-                        failed += 1;
-                        results.push(json!({"id": id, "cancelled": false, "error": s.message()}));
-                        if fmt.is_table() {
-                            eprintln!("job {id}: {}", s.message());
-                        }
-                    }
-                }
-            }
-            if fmt.is_json() {
-                print_json(json!({"results": results}));
-            }
-            if failed > 0 {
-                anyhow::bail!("{failed} job(s) could not be cancelled");
-            }
+            job_control::cancel(&mut client, jobs, reason, fmt).await?
         }
         Command::Watch { tenant, initial } => watch(&mut client, tenant, initial, fmt).await?,
         Command::Nodes { stale } => {
@@ -552,6 +565,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Logs(args) => logs::run(&mut client, args).await?,
         Command::Tenant { command } => tenant(&mut client, command, fmt).await?,
         Command::Accounting(args) => accounting::run(&mut client, args, fmt).await?,
+        Command::Sacct(args) => accounting::sacct(&mut client, args, fmt).await?,
         Command::Partition { command } => partition(&mut client, command, fmt).await?,
         Command::Token { command } => tokens::run(&mut client, command, fmt).await?,
         Command::Audit(args) => tokens::audit(&mut client, args, fmt).await?,

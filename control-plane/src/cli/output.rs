@@ -140,6 +140,15 @@ pub fn job_json(j: &pb::Job) -> Value {
         "version": j.version,
         "redacted": j.redacted,
         "pending_reason": j.pending_reason,
+        "held": j.held,
+        "array": j.array_task.as_ref().map(|t| json!({
+            "array_id": t.array_id, "index": t.index, "count": t.count,
+            "spec": spec.array.as_ref().map(array_text),
+        })),
+        "nodelist": spec.nodelist,
+        "exclude": spec.exclude,
+        "exclusive": spec.exclusive,
+        "begin_at_ms": (spec.begin_at_ms > 0).then_some(spec.begin_at_ms),
         "history": j.history.iter().map(|h| json!({"at_ms": h.at_ms, "state": h.state, "reason": h.reason})).collect::<Vec<_>>(),
         "allocations": j.allocations.iter().map(|a| json!({
             "id": a.id, "node": a.node, "gpus": a.gpus, "term": a.term, "epoch": a.epoch, "created_at_ms": a.created_at_ms,
@@ -171,7 +180,7 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
                 j.pending_reason.clone()
             };
             vec![
-                j.id.to_string(),
+                super::slurm_syntax::job_id_text(j),
                 printable(&spec.tenant),
                 if j.redacted {
                     "(hidden)".into()
@@ -213,12 +222,38 @@ pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
     )
 }
 
+/// An array's indices and limit as sbatch spells them: `0-99:2,200%8`.
+pub fn array_text(a: &pb::ArraySpec) -> String {
+    super::slurm_syntax::array_spec(a).text()
+}
+
 pub fn job_details(j: &pb::Job) -> String {
     let spec = j.spec.clone().unwrap_or_default();
     let mut out = String::new();
     let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
     kv("Job:", j.id.to_string());
-    kv("State:", j.state.to_uppercase());
+    if let Some(t) = &j.array_task {
+        kv(
+            "Array:",
+            format!(
+                "{}_{} (index {} of array {}: {} jobs, {})",
+                t.array_id,
+                t.index,
+                t.index,
+                t.array_id,
+                t.count,
+                spec.array.as_ref().map(array_text).unwrap_or_default()
+            ),
+        );
+    }
+    kv(
+        "State:",
+        if j.held {
+            format!("{} (held)", j.state.to_uppercase())
+        } else {
+            j.state.to_uppercase()
+        },
+    );
     if !j.pending_reason.is_empty() {
         kv("Reason:", printable(&j.pending_reason));
     }
@@ -275,6 +310,18 @@ pub fn job_details(j: &pb::Job) -> String {
     );
     kv("Priority:", spec.priority_class.clone());
     kv("Time limit:", format_duration(spec.time_limit_secs as u64));
+    if !spec.nodelist.is_empty() {
+        kv("Node list:", printable(&spec.nodelist.join(",")));
+    }
+    if !spec.exclude.is_empty() {
+        kv("Excluded:", printable(&spec.exclude.join(",")));
+    }
+    if spec.exclusive {
+        kv("Exclusive:", "yes: its nodes run nothing else".into());
+    }
+    if spec.begin_at_ms > 0 {
+        kv("Begin:", format_time(spec.begin_at_ms));
+    }
     if !spec.dependencies.is_empty() {
         let deps: Vec<String> = spec
             .dependencies

@@ -10,6 +10,7 @@ use serde_json::json;
 
 use super::output::Format;
 use super::parse::{parse_dependencies, parse_mem_mib, parse_time_limit};
+use super::slurm_syntax;
 use crate::client::{Client, with_timeout};
 
 #[derive(clap::Args)]
@@ -110,6 +111,28 @@ pub struct SubmitArgs {
     /// Nodes (Slurm's `-N`): that many tasks, with `--gres`/`--gpus-per-node` GPUs each.
     #[arg(long, short = 'N', value_name = "N")]
     pub nodes: Option<i64>,
+    /// A job array (sbatch's `--array`): one job per index, `0-99`, `1,3,5`, `0-15:4`, with
+    /// `%N` for at most N of them running at once (`0-99%8`). Each job sees its index in
+    /// `SLURM_ARRAY_TASK_ID`; `%A` and `%a` in --stdout/--stderr are the array's id and index.
+    #[arg(long, short = 'a', value_name = "INDICES[%N]")]
+    pub array: Option<String>,
+    /// Not eligible before this time (sbatch's `--begin`): `now+1hour`, `now+600`, `16:00`,
+    /// `2026-12-24T08:00`, `midnight`, `tomorrow` (local time).
+    #[arg(long, short = 'b', value_name = "TIME")]
+    pub begin: Option<String>,
+    /// Submit the job held: it waits until `gpuctl release JOB`.
+    #[arg(long, short = 'H')]
+    pub hold: bool,
+    /// Run only on these nodes (Slurm's `-w`): a host list such as `gpu[01-04],gpu07`.
+    #[arg(long, short = 'w', value_name = "HOSTLIST")]
+    pub nodelist: Option<String>,
+    /// Never run on these nodes (Slurm's `-x`): a host list.
+    #[arg(long, short = 'x', value_name = "HOSTLIST")]
+    pub exclude: Option<String>,
+    /// Have the job's nodes to itself: it starts only on idle nodes and nothing else is
+    /// placed beside it while it runs.
+    #[arg(long)]
+    pub exclusive: bool,
     /// Write the job's stdout to this file on the host that runs it (sbatch's `-o`; `-o` is
     /// gpuctl's output format). `%j` job id, `%t` task, `%N` node, `%x` job name, `%%` a `%`;
     /// relative to the working directory. `gpuctl logs` still reads it.
@@ -291,6 +314,19 @@ pub fn build_request(mut args: SubmitArgs) -> anyhow::Result<pb::SubmitJobReques
         .to_str()
         .ok_or_else(|| anyhow::anyhow!("working directory {} is not UTF-8", workdir.display()))?
         .to_owned();
+    let hosts = |list: &Option<String>| match list {
+        Some(l) => slurm_syntax::expand_hostlist(l),
+        None => Ok(Vec::new()),
+    };
+    let begin_at_ms = match &args.begin {
+        Some(b) => slurm_syntax::parse_begin(b, &jiff::ZonedDateTime::now())?,
+        None => 0,
+    };
+    let array = args
+        .array
+        .as_deref()
+        .map(slurm_syntax::parse_array)
+        .transpose()?;
     Ok(pb::SubmitJobRequest {
         spec: Some(pb::JobSpec {
             tenant: args.tenant.unwrap_or_default(),
@@ -316,6 +352,12 @@ pub fn build_request(mut args: SubmitArgs) -> anyhow::Result<pb::SubmitJobReques
             stdout_path: args.stdout.unwrap_or_default(),
             stderr_path: args.stderr.unwrap_or_default(),
             hold_if_unfit: args.hold_if_unfit,
+            nodelist: hosts(&args.nodelist)?,
+            exclude: hosts(&args.exclude)?,
+            exclusive: args.exclusive,
+            begin_at_ms,
+            hold: args.hold,
+            array,
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })
@@ -331,8 +373,15 @@ pub async fn run(client: &mut Client, args: SubmitArgs, fmt: Format) -> anyhow::
         .await?;
     match fmt {
         Format::Json | Format::Yaml => {
-            println!("{}", json!({"id": resp.id, "created": resp.created}))
+            println!(
+                "{}",
+                json!({"id": resp.id, "created": resp.created, "jobs": resp.jobs})
+            )
         }
+        Format::Table if resp.created && resp.jobs > 1 => println!(
+            "Submitted array job {} ({} jobs: {}_INDEX; `gpuctl cancel {}` cancels them all)",
+            resp.id, resp.jobs, resp.id, resp.id
+        ),
         Format::Table if resp.created => println!("Submitted job {}", resp.id),
         Format::Table | Format::Wide => {
             println!("Job {} already exists for this idempotency key", resp.id)

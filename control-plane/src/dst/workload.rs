@@ -252,6 +252,7 @@ async fn cancel(
         let request = pb::CancelJobRequest {
             id,
             reason: "cancelled by the simulated client".into(),
+            ..Default::default()
         };
         let identity = user_identity(tenant);
         let result = world

@@ -19,9 +19,10 @@ use super::{ByteReader, Features, Target, shape};
 use crate::dst::check::describe_difference;
 use crate::scheduler;
 use crate::state::{
-    Actor, AllocationId, ApiRole, AuditRetention, ClusterState, Command, Dependency,
-    DependencyKind, Gpu, GpuHealth, JobId, JobPlacement, JobRetention, JobSpec, JobState, MigSlice,
-    NodeSpec, NodeStatus, Outcome, Partition, TaskOutcome, TaskPlacement, Tenant, TokenRecord,
+    Actor, AllocationId, ApiRole, ArrayRange, ArraySpec, AuditRetention, ClusterState, Command,
+    Dependency, DependencyKind, Gpu, GpuHealth, JobChange, JobId, JobPlacement, JobRetention,
+    JobSpec, JobState, JobUpdate, MigSlice, NodeSpec, NodeStatus, Outcome, Partition, TaskOutcome,
+    TaskPlacement, Tenant, TokenRecord,
 };
 
 pub const TARGET: Target = Target {
@@ -98,7 +99,8 @@ mod op {
     pub const REVOKE_TOKEN: u8 = 17;
     pub const AUDIT_NOTE: u8 = 18;
     pub const COMPACT_AUDIT: u8 = 19;
-    pub const ATTRIBUTED: u8 = 20;
+    pub const CHANGE_JOBS: u8 = 20;
+    pub const ATTRIBUTED: u8 = 21;
 }
 const OPS: u8 = op::ATTRIBUTED + 1;
 
@@ -397,6 +399,33 @@ impl Gen {
                     max_records: small(r, &[0, 1, 10, u64::MAX]),
                 },
             },
+            op::CHANGE_JOBS => Command::ChangeJobs {
+                jobs: (0..r.below(4)).map(|_| self.job(r)).collect(),
+                change: match r.u8() % 5 {
+                    0 => JobChange::Hold,
+                    1 => JobChange::Release,
+                    2 => JobChange::Requeue {
+                        reason: r.string(6),
+                    },
+                    3 => JobChange::Cancel {
+                        reason: r.string(6),
+                    },
+                    _ => JobChange::Update(JobUpdate {
+                        name: r.chance(4).then(|| r.string(6)),
+                        time_limit_secs: r.chance(4).then(|| small(r, &[0, 60, 3600, u64::MAX])),
+                        priority_class: r
+                            .chance(4)
+                            .then(|| r.pick(&["low", "high", "vip"]).to_string()),
+                        partition: r
+                            .chance(4)
+                            .then(|| r.pick(&["", fleet::PARTITION, "nope"]).to_string()),
+                        begin_at: r.chance(4).then(|| fleet::START + r.below(120_000) as u64),
+                        nodelist: r.chance(4).then(|| self.node_list(r)),
+                        exclude: r.chance(4).then(|| self.node_list(r)),
+                        max_running: r.chance(4).then(|| r.below(4) as u32),
+                    }),
+                },
+            },
             _ => {
                 let actor = self.actor(r);
                 let inner = if depth < 2 {
@@ -497,6 +526,28 @@ impl Gen {
             stdout_path: None,
             stderr_path: None,
             hold_if_unfit: false,
+            nodelist: self.node_list(r),
+            exclude: self.node_list(r),
+            exclusive: r.chance(16),
+            begin_at: r.chance(16).then(|| fleet::START + r.below(120_000) as u64),
+            hold: r.chance(16),
+            array: r.chance(16).then(|| ArraySpec {
+                ranges: (0..r.below(3))
+                    .map(|_| {
+                        let first = r.below(8) as u32;
+                        ArrayRange {
+                            first,
+                            last: if r.chance(16) {
+                                r.number() as u32
+                            } else {
+                                first + r.below(8) as u32
+                            },
+                            step: r.below(3) as u32,
+                        }
+                    })
+                    .collect(),
+                max_running: r.below(4) as u32,
+            }),
         }
     }
 
@@ -719,6 +770,27 @@ impl Gen {
     }
 
     /// A job id: mostly one the state knows (whole or archived), sometimes any number.
+    /// Mostly no list; else a node or two of the fleet, sometimes unsorted or unknown.
+    fn node_list(&self, r: &mut ByteReader) -> Vec<String> {
+        if !r.chance(8) {
+            return Vec::new();
+        }
+        let mut list: Vec<String> = (0..r.below(3) + 1)
+            .map(|_| {
+                if r.chance(16) {
+                    r.string(4)
+                } else {
+                    r.pick(&fleet::NODES).to_string()
+                }
+            })
+            .collect();
+        if r.bool() {
+            list.sort();
+            list.dedup();
+        }
+        list
+    }
+
     fn job(&self, r: &mut ByteReader) -> JobId {
         let s = self.state();
         let known = s.jobs.len() + s.archived.len();

@@ -92,6 +92,8 @@ pub fn pending_by_reason(board: &crate::scheduler::Board) -> BTreeMap<String, u6
             Why::Reservation { .. } => "Reservation",
             Why::Quota { .. } => "QuotaExceeded",
             Why::Unfit => "Unfit",
+            Why::ArrayLimit { .. } => "JobArrayTaskLimit",
+            Why::NodeRules => "NodeRules",
         };
         *by.entry(label.to_owned()).or_default() += 1;
     }

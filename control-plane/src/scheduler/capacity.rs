@@ -26,6 +26,10 @@ use crate::state::{ClusterState, GpuHealth, Node, NodeStatus, share_memory_for};
 pub enum Filter {
     Down,
     Drained,
+    /// Not in the job's `--nodelist`.
+    NotListed,
+    /// In the job's `--exclude`.
+    Excluded,
     Partition,
     Container,
     Model,
@@ -38,6 +42,8 @@ pub enum Filter {
     GpusBusy,
     CpusBusy,
     MemoryBusy,
+    /// Runs other work, and the job wants its nodes to itself (`--exclusive`).
+    NotIdle,
 }
 
 impl Filter {
@@ -46,6 +52,8 @@ impl Filter {
         match self {
             Filter::Down => "down",
             Filter::Drained => "draining",
+            Filter::NotListed => "not in --nodelist",
+            Filter::Excluded => "excluded",
             Filter::Partition => "other partition",
             Filter::Container => "no container engine",
             Filter::Model => "other GPU model",
@@ -58,6 +66,7 @@ impl Filter {
             Filter::GpusBusy => "GPUs busy",
             Filter::CpusBusy => "CPUs busy",
             Filter::MemoryBusy => "memory busy",
+            Filter::NotIdle => "not idle (--exclusive)",
         }
     }
 
@@ -66,6 +75,8 @@ impl Filter {
         matches!(
             self,
             Filter::Partition
+                | Filter::NotListed
+                | Filter::Excluded
                 | Filter::Container
                 | Filter::Model
                 | Filter::MigProfile
@@ -157,6 +168,17 @@ fn ratio(have: u64, want: u64) -> u32 {
 /// first filter that turns every task away.
 pub fn capacity_of(node: &Node, shape: &Shape) -> Result<u32, Filter> {
     let spec = &node.spec;
+    if !shape.allows_node(&spec.name) {
+        let excluded = shape
+            .excluded_nodes
+            .binary_search_by(|n| n.as_str().cmp(&spec.name))
+            .is_ok();
+        return Err(if excluded {
+            Filter::Excluded
+        } else {
+            Filter::NotListed
+        });
+    }
     if let Some(p) = &shape.partition
         && spec.partition.as_deref() != Some(p.as_str())
     {
@@ -228,6 +250,9 @@ pub fn fits_now(node: &Node, free: &NodeFree, shape: &Shape) -> Result<u32, Filt
     let healthy_slice = |p: usize, _| spec.gpus[p].health == GpuHealth::Healthy;
     if gpu_tasks(node, shape, &healthy, &healthy_slice) == 0 {
         return Err(Filter::Unhealthy);
+    }
+    if shape.exclusive && *free != NodeFree::capacity(node) {
+        return Err(Filter::NotIdle);
     }
     let now = |p: usize| GpuOffer {
         milli: free.gpu_milli.get(p).copied().unwrap_or(0),

@@ -32,7 +32,9 @@ pub mod score;
 
 use serde::Serialize;
 
-use crate::state::{ClusterState, Job, JobPlacement, MILLI_PER_GPU, TaskPlacement, Timestamp};
+use crate::state::{
+    ClusterState, Job, JobId, JobPlacement, MILLI_PER_GPU, TaskPlacement, Timestamp,
+};
 pub use backfill::{Reservation, end_if_started};
 pub use fit::{best_gpu_set, link_rank, rank_matrix};
 use fleet::{Fleet, NodeIdx};
@@ -155,8 +157,24 @@ pub fn plan_explained(
     // Per shape and task count: whether no ready node could ever hold the job (asked only of
     // jobs that would become the head).
     let mut unfit: fleet::FastMap<(Shape, u32), bool> = fleet::FastMap::default();
+    // Jobs of each array that hold allocations, counted on the first job of a limited array
+    // the pass meets, and kept current as it places more.
+    let mut array_running: Option<fleet::FastMap<JobId, u32>> = None;
     while let Some((job, tenant_id)) = queue.next_with_tenant() {
         stats.jobs_considered += 1;
+        let array_limit = match (job.array_task, &job.spec.array) {
+            (Some(task), Some(array)) if array.max_running > 0 => {
+                Some((task.array_id, array.max_running))
+            }
+            _ => None,
+        };
+        if let Some((array, max)) = array_limit {
+            let counts = array_running.get_or_insert_with(|| arrays_running(state));
+            if counts.get(&array).copied().unwrap_or(0) >= max {
+                reasons.jobs.push((job.id, Why::ArrayLimit { array, max }));
+                continue;
+            }
+        }
         let t = tenant_id as usize;
         let limit = *limits[t].get_or_insert_with(|| {
             state
@@ -190,6 +208,9 @@ pub fn plan_explained(
                 if limit.is_some() {
                     *held[t].get_or_insert(0) += job.spec.total_gpu_milli();
                 }
+                if let (Some((array, _)), Some(counts)) = (array_limit, array_running.as_mut()) {
+                    *counts.entry(array).or_default() += 1;
+                }
                 queue.charge(tenant_id, queue::expected_gpu_seconds(job));
                 let mut placed = Vec::with_capacity(tasks.len());
                 for (idx, units) in tasks {
@@ -205,6 +226,9 @@ pub fn plan_explained(
                     tasks: placed,
                 });
             }
+            // A job with node rules does not become the head: the reservation and the
+            // preemption search treat alike nodes as interchangeable, which its rules deny.
+            None if shape.has_node_rules() => reasons.jobs.push((job.id, Why::NodeRules)),
             // A job no ready node could ever hold (held with `hold_if_unfit`, or waiting for
             // a node that is down) does not become the head: its reservation would never
             // start, and it would take the reservation from a job that can run.
@@ -262,6 +286,19 @@ pub fn plan_explained(
     }
     stats.preempt_us = lap(&mut clock);
     (plan, stats, reasons)
+}
+
+/// Per job array with a limit of running jobs, how many of its jobs hold allocations.
+fn arrays_running(state: &ClusterState) -> fleet::FastMap<JobId, u32> {
+    let mut counts = fleet::FastMap::default();
+    for job in state.jobs_with_allocations() {
+        if let (Some(task), Some(array)) = (job.array_task, &job.spec.array)
+            && array.max_running > 0
+        {
+            *counts.entry(task.array_id).or_default() += 1;
+        }
+    }
+    counts
 }
 
 /// Whether no ready node of the pass's fleet could ever hold every task of `job` (memoized per

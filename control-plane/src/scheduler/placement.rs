@@ -32,6 +32,12 @@ pub struct Shape {
     pub single_numa: bool,
     /// Runs in a container: only nodes with a container engine hold it.
     pub container: bool,
+    /// Nodes it may use (`--nodelist`; empty: any), sorted.
+    pub only_nodes: Vec<String>,
+    /// Nodes it never uses (`--exclude`), sorted.
+    pub excluded_nodes: Vec<String>,
+    /// Only idle nodes, and nothing else beside it (`--exclusive`).
+    pub exclusive: bool,
 }
 
 impl Shape {
@@ -50,7 +56,22 @@ impl Shape {
             partition: spec.partition.clone(),
             single_numa: spec.single_numa,
             container: spec.container.is_some(),
+            only_nodes: spec.nodelist.clone(),
+            excluded_nodes: spec.exclude.clone(),
+            exclusive: spec.exclusive,
         }
+    }
+
+    /// Whether the job names nodes or wants them to itself: then nodes that are otherwise
+    /// alike are not interchangeable, and it is placed node by node.
+    pub fn has_node_rules(&self) -> bool {
+        !self.only_nodes.is_empty() || !self.excluded_nodes.is_empty() || self.exclusive
+    }
+
+    /// Whether the node lists let a task on node `name`.
+    pub fn allows_node(&self, name: &str) -> bool {
+        let listed = |list: &[String]| list.binary_search_by(|n| n.as_str().cmp(name)).is_ok();
+        (self.only_nodes.is_empty() || listed(&self.only_nodes)) && !listed(&self.excluded_nodes)
     }
 
     fn is_share(&self) -> bool {
@@ -142,6 +163,12 @@ pub fn evaluate_node(
         return None;
     }
     if shape.container && node.spec.container_runtime.is_empty() {
+        return None;
+    }
+    if shape.has_node_rules()
+        && (!shape.allows_node(&node.spec.name)
+            || (shape.exclusive && *free != NodeFree::capacity(node)))
+    {
         return None;
     }
     if free.cpu_milli < shape.cpu_milli || free.memory_mib < shape.memory_mib {
@@ -660,6 +687,9 @@ impl<'a> Placer<'a> {
     /// members (the event log) and on the held nodes (their version), so it is kept until
     /// either changes.
     pub fn fits_ignoring_reservation(&mut self, shape: &Shape) -> bool {
+        if shape.has_node_rules() {
+            return self.best_node_by_node(shape, false, true).is_some();
+        }
         let id = self.ranking_id(shape);
         let stamp = (self.fleet.events.len(), self.fleet.held_version());
         if let Some((s, answer)) = self.rankings[id].unreserved_fit
@@ -700,6 +730,9 @@ impl<'a> Placer<'a> {
 
     /// Places all `tasks` tasks of a shape or none: a gang across hosts prefers one rack.
     pub fn place(&mut self, shape: &Shape, tasks: u32, long: bool) -> Option<Vec<PlacedTask>> {
+        if shape.has_node_rules() {
+            return self.place_node_by_node(shape, tasks, long);
+        }
         if tasks > 1
             && self.fleet.has_racks()
             && let Some(placed) = self.place_in_one_rack(shape, tasks, long)
@@ -720,6 +753,98 @@ impl<'a> Placer<'a> {
                 placed.reserve_exact(tasks as usize);
             }
             placed.push((idx, fit.units));
+        }
+        Some(placed)
+    }
+
+    /// The best node for one task of a shape with node rules, each allowed node evaluated on
+    /// its own (groups of alike nodes do not tell allowed ones from the rest). A long task
+    /// skips nodes held for the reservation (it could delay it); `ignore_reservation` offers
+    /// them with all they have free. O(allowed nodes): node lists are short, and a job with
+    /// `--exclude` or `--exclusive` alone pays one walk of the fleet per task.
+    fn best_node_by_node(
+        &self,
+        shape: &Shape,
+        long: bool,
+        ignore_reservation: bool,
+    ) -> Option<(NodeIdx, TaskFit)> {
+        let candidates: Vec<NodeIdx> = if shape.only_nodes.is_empty() {
+            (0..self.fleet.nodes.len() as NodeIdx).collect()
+        } else {
+            shape
+                .only_nodes
+                .iter()
+                .filter_map(|name| self.fleet.index_of.get(name))
+                .collect()
+        };
+        let mut best: Option<(NodeIdx, TaskFit)> = None;
+        for idx in candidates {
+            let n = &self.fleet.nodes[idx as usize];
+            if n.shadow.is_some() && long && !ignore_reservation {
+                continue;
+            }
+            if let Some(fit) = evaluate_node(&self.scorer, n, &n.free, shape)
+                && best
+                    .as_ref()
+                    .is_none_or(|(i, b)| (fit.key, idx) < (b.key, *i))
+            {
+                best = Some((idx, fit));
+            }
+        }
+        best
+    }
+
+    /// All tasks of a shape with node rules, or none. An exclusive job's nodes are emptied
+    /// in this pass's view once it is placed, so nothing else lands beside it.
+    fn place_node_by_node(
+        &mut self,
+        shape: &Shape,
+        tasks: u32,
+        long: bool,
+    ) -> Option<Vec<PlacedTask>> {
+        let mut undo = Vec::new();
+        let mut placed: Vec<PlacedTask> = Vec::new();
+        // An exclusive job's own tasks may share a node: the first task needs an idle node,
+        // later ones may also join a node this job took.
+        let mut own: Vec<NodeIdx> = Vec::new();
+        for _ in 0..tasks {
+            let mut pick = self.best_node_by_node(shape, long, false);
+            if shape.exclusive {
+                let relaxed = Shape {
+                    exclusive: false,
+                    ..shape.clone()
+                };
+                for &idx in &own {
+                    let n = &self.fleet.nodes[idx as usize];
+                    if let Some(fit) = evaluate_node(&self.scorer, n, &n.free, &relaxed)
+                        && pick
+                            .as_ref()
+                            .is_none_or(|(i, b)| (fit.key, idx) < (b.key, *i))
+                    {
+                        pick = Some((idx, fit));
+                    }
+                }
+            }
+            let Some((idx, fit)) = pick else {
+                self.restore(undo);
+                return None;
+            };
+            undo.push(self.snapshot(idx));
+            self.commit(idx, shape, &fit.units, long);
+            if !own.contains(&idx) {
+                own.push(idx);
+            }
+            placed.push((idx, fit.units));
+        }
+        if shape.exclusive {
+            for &idx in &own {
+                let n = &self.fleet.nodes[idx as usize];
+                let empty = NodeFree::nothing(n.node);
+                if long && n.shadow.is_some() {
+                    self.fleet.set_shadow(idx, Some(empty));
+                }
+                self.fleet.set_free(idx, empty);
+            }
         }
         Some(placed)
     }

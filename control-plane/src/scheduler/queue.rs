@@ -33,6 +33,11 @@ pub fn dependencies_met(state: &ClusterState, job: &Job) -> bool {
         .all(|d| dependency_met(state, d))
 }
 
+/// Whether the job's own request lets it start at `now`: not held, and past its begin time.
+pub fn eligible(job: &Job, now: Timestamp) -> bool {
+    !job.held && job.spec.begin_at.is_none_or(|b| b <= now)
+}
+
 /// Whether one dependency is met.
 pub fn dependency_met(state: &ClusterState, d: &Dependency) -> bool {
     // Archived jobs answer too: a new job may depend on one that finished long ago.
@@ -152,7 +157,7 @@ impl<'a> Queue<'a> {
         let mut by_level: Vec<Vec<(Timestamp, &'a Job)>> =
             vec![Vec::new(); AGED_LEVEL as usize + 1];
         for job in state.pending_jobs() {
-            if !dependencies_met(state, job) || yielding(state, job, now) {
+            if !eligible(job, now) || !dependencies_met(state, job) || yielding(state, job, now) {
                 continue;
             }
             let since = eligible_since(state, job);

@@ -30,6 +30,11 @@ pub enum Why {
     Quota { held_milli: u64, max_gpus: u32 },
     /// No ready node could ever hold it (it is not made the head).
     Unfit,
+    /// Its array has `max` jobs running, its limit (`%N`).
+    ArrayLimit { array: JobId, max: u32 },
+    /// It names its nodes or wants them to itself, and none that it allows has room now (it
+    /// is not made the head: reservations do not follow node rules).
+    NodeRules,
 }
 
 /// What one pass decided about the jobs it did not place.
@@ -144,6 +149,22 @@ pub fn explain(
     if job.state != JobState::Pending {
         return String::new();
     }
+    if job.held {
+        return format!("JobHeldUser: held; `gpuctl release {}` lets it run", job.id);
+    }
+    if let Some(begin) = job.spec.begin_at
+        && begin > now
+    {
+        // UTC, to the second: the leader's clock is UTC and so is the log.
+        let when = i64::try_from(begin / 1000)
+            .ok()
+            .and_then(|s| jiff::Timestamp::from_second(s).ok())
+            .map_or_else(|| format!("{begin} ms"), |t| t.to_string());
+        return format!(
+            "BeginTime: not before {when} (in {})",
+            duration_text(begin - now)
+        );
+    }
     if let Some(dep) = waiting_for(state, job) {
         return format!("Dependency: waiting for job {dep}");
     }
@@ -183,18 +204,23 @@ pub fn explain(
             gpus_text(job.spec.total_gpu_milli())
         ),
         Some(Why::Reservation { for_job }) => format!("Reservation for job {for_job}"),
+        Some(Why::ArrayLimit { array, max }) => {
+            format!("JobArrayTaskLimit: array {array} has {max} jobs running, its limit (%{max})")
+        }
         Some(Why::Priority { behind }) => format!("Priority: behind job {behind}"),
-        Some(Why::Resources) | Some(Why::Unfit) => match memo.diagnose(state, &shape, tasks) {
-            Some(d) => {
-                let label = if d.only_unhealthy() {
-                    "NodeUnhealthy"
-                } else {
-                    "Resources"
-                };
-                format!("{label}: {}", d.text(&shape, tasks))
+        Some(Why::Resources) | Some(Why::Unfit) | Some(Why::NodeRules) => {
+            match memo.diagnose(state, &shape, tasks) {
+                Some(d) => {
+                    let label = if d.only_unhealthy() {
+                        "NodeUnhealthy"
+                    } else {
+                        "Resources"
+                    };
+                    format!("{label}: {}", d.text(&shape, tasks))
+                }
+                None => format!("Resources: details with `gpuctl why {}`", job.id),
             }
-            None => format!("Resources: details with `gpuctl why {}`", job.id),
-        },
+        }
         None => match board.head {
             Some(head) if head != job.id => format!("Priority: behind job {head}"),
             // Placed since the pass, or not reached by it.

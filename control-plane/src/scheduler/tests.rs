@@ -1206,3 +1206,6 @@ fn a_preempted_job_stops_standing_aside_after_the_yield_limit() {
     w.index += crate::state::YIELD_LIMIT_MS;
     assert!(!queue::yielding(&w.state, &w.state.jobs[&victim], w.now()));
 }
+
+/// Holds, begin times, array limits, node lists and exclusive nodes in the pass.
+mod slurm_rules_tests;

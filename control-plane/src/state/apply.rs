@@ -5,7 +5,9 @@
 
 use std::collections::BTreeSet;
 
-use super::command::{Command, JobPlacement, Outcome, Rejection, TaskOutcome, TaskUsage};
+use super::command::{
+    Command, JobChange, JobPlacement, JobUpdate, Outcome, Rejection, TaskOutcome, TaskUsage,
+};
 use super::format;
 use super::types::*;
 use super::validate;
@@ -138,6 +140,9 @@ impl ClusterState {
             Command::AuditNote { .. } => Outcome::Done,
             Command::CompactAudit { retention } => self.compact_audit(retention, at),
             Command::SetClusterVersion { version } => self.set_cluster_version(*version),
+            Command::ChangeJobs { jobs, change } => {
+                self.change_jobs(jobs, change, at, index, changed)
+            }
             Command::Attributed { actor, command } => match **command {
                 Command::Batch { .. } | Command::Attributed { .. } => Outcome::Rejected(
                     Rejection::invalid("command", "an attributed command holds one plain command"),
@@ -224,13 +229,15 @@ impl ClusterState {
                 ),
             ));
         }
-        // Held if unfit: accepted whatever the nodes are, pending until one fits.
+        // Held if unfit: accepted whatever the nodes are, pending until one fits (or until
+        // the nodes it names join).
         if spec.hold_if_unfit {
             return self.check_dependencies(spec);
         }
+        self.check_named_nodes(spec)?;
         if !self.nodes.is_empty() && spec.mig_profile.is_none() {
             let largest = self
-                .node_per_class()
+                .candidate_nodes(spec)
                 .map(|n| n.spec.gpus.len())
                 .max()
                 .unwrap_or(0);
@@ -238,9 +245,14 @@ impl ClusterState {
                 return Err(Rejection::invalid(
                     "gpus_per_task",
                     format!(
-                        "{} GPUs per task, but the largest node has {largest}; \
+                        "{} GPUs per task, but the largest node{} has {largest}; \
                          use several tasks for a multi-node job",
-                        spec.gpus_per_task
+                        spec.gpus_per_task,
+                        if spec.nodelist.is_empty() && spec.exclude.is_empty() {
+                            ""
+                        } else {
+                            " its --nodelist/--exclude allows"
+                        }
                     ),
                 ));
             }
@@ -249,6 +261,40 @@ impl ClusterState {
             self.check_some_node_fits(spec)?;
         }
         self.check_dependencies(spec)
+    }
+
+    /// Every node a `--nodelist` or `--exclude` names is registered (a typo would otherwise
+    /// leave the job pending for ever, or not exclude what was meant).
+    fn check_named_nodes(&self, spec: &JobSpec) -> Result<(), Rejection> {
+        if self.nodes.is_empty() {
+            return Ok(());
+        }
+        for (field, list) in [("nodelist", &spec.nodelist), ("exclude", &spec.exclude)] {
+            if let Some(unknown) = list.iter().find(|n| !self.nodes.contains_key(*n)) {
+                return Err(Rejection::invalid(
+                    field,
+                    format!(
+                        "node {} is not registered ({} nodes are; `gpuctl nodes` lists them)",
+                        validate::shown(unknown),
+                        self.nodes.len()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The nodes that could hold a task of the job as far as its node lists say: one node of
+    /// each hardware class when it names none (they are alike), else every node it allows.
+    fn candidate_nodes<'a>(&'a self, spec: &'a JobSpec) -> Box<dyn Iterator<Item = &'a Node> + 'a> {
+        if spec.nodelist.is_empty() && spec.exclude.is_empty() {
+            return Box::new(self.node_per_class());
+        }
+        Box::new(
+            self.nodes
+                .values()
+                .filter(|n| spec.allows_node(&n.spec.name)),
+        )
     }
 
     /// Every dependency names a job this state knows (kept whole or archived).
@@ -291,7 +337,7 @@ impl ClusterState {
         };
         if spec.gpus_per_task == 0
             || self
-                .node_per_class()
+                .candidate_nodes(spec)
                 .any(|n| units(n) >= spec.gpus_per_task as usize)
         {
             return Ok(());
@@ -347,6 +393,44 @@ impl ClusterState {
         if let Err(r) = self.check_submission(spec) {
             return Outcome::Rejected(r);
         }
+        // An array is one job per index, with consecutive ids; the first id is the array's
+        // and carries the idempotency key.
+        let indices = spec.array.as_ref().map(ArraySpec::indices);
+        let first = self.last_job_id + 1;
+        let count = indices.as_ref().map_or(1, Vec::len) as u32;
+        let array_tasks: Vec<Option<ArrayTask>> = match &indices {
+            None => vec![None],
+            Some(indices) => indices
+                .iter()
+                .map(|&i| {
+                    Some(ArrayTask {
+                        array_id: first,
+                        index: i,
+                        count,
+                    })
+                })
+                .collect(),
+        };
+        for (n, array_task) in array_tasks.into_iter().enumerate() {
+            let key = if n == 0 { key } else { None };
+            self.create_job(spec, key, array_task, at, index, changed);
+        }
+        Outcome::JobSubmitted {
+            id: first,
+            created: true,
+        }
+    }
+
+    /// Adds one pending job (a submission, or one job of an array) with the next id.
+    fn create_job(
+        &mut self,
+        spec: &JobSpec,
+        key: Option<&str>,
+        array_task: Option<ArrayTask>,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) {
         self.last_job_id += 1;
         let id = self.last_job_id;
         let job = Job {
@@ -358,7 +442,11 @@ impl ClusterState {
             history: vec![StateChange {
                 at,
                 state: JobState::Pending,
-                reason: "submitted".into(),
+                reason: if spec.hold {
+                    "submitted held".into()
+                } else {
+                    "submitted".into()
+                },
             }],
             allocations: Vec::new(),
             version: index,
@@ -366,6 +454,9 @@ impl ClusterState {
             yielded_to: None,
             usage: None,
             attempts: Vec::new(),
+            held: spec.hold,
+            array_task,
+            exit: None,
         };
         self.jobs.insert(id, job);
         self.index.pending.insert(id);
@@ -385,7 +476,6 @@ impl ClusterState {
             self.transition(id, JobState::Failed, &reason, at, index);
             self.fail_unsatisfiable_dependents(id, at, index, changed);
         }
-        Outcome::JobSubmitted { id, created: true }
     }
 
     /// Why cancelling job `id` would be refused, if it would: the API asks before it proposes,
@@ -447,6 +537,220 @@ impl ClusterState {
         self.transition(id, JobState::Cancelled, reason, at, index);
         changed.push(id);
         Outcome::JobCancelled { id }
+    }
+
+    /// Applies `Command::ChangeJobs`: the change to each job it applies to.
+    fn change_jobs(
+        &mut self,
+        jobs: &[JobId],
+        change: &JobChange,
+        at: Timestamp,
+        index: u64,
+        changed: &mut Vec<JobId>,
+    ) -> Outcome {
+        if jobs.is_empty() {
+            return Outcome::Rejected(Rejection::invalid("jobs", "names no job"));
+        }
+        if jobs.len() > validate::MAX_ARRAY_TASKS {
+            return Outcome::Rejected(Rejection::invalid(
+                "jobs",
+                format!(
+                    "names {} jobs; one change takes at most {}",
+                    jobs.len(),
+                    validate::MAX_ARRAY_TASKS
+                ),
+            ));
+        }
+        let mut done = Vec::new();
+        let mut refused: Vec<(JobId, String)> = Vec::new();
+        let mut first_refusal = None;
+        for &id in jobs {
+            match self.change_job(id, change, at, index) {
+                Ok(()) => {
+                    done.push(id);
+                    changed.push(id);
+                }
+                Err(r) => {
+                    refused.push((id, r.message.clone()));
+                    first_refusal.get_or_insert(r);
+                }
+            }
+        }
+        match (done.is_empty(), first_refusal) {
+            (true, Some(r)) => Outcome::Rejected(r),
+            _ => Outcome::JobsChanged {
+                changed: done,
+                refused,
+            },
+        }
+    }
+
+    /// Why `change` would be refused for job `id`, if it would: the API asks before it
+    /// proposes (a refused change adds nothing to the log), and apply asks again.
+    pub fn change_refusal(&self, id: JobId, change: &JobChange) -> Option<Rejection> {
+        if let JobChange::Cancel { .. } = change {
+            return self.cancel_refusal(id);
+        }
+        let verb = change.verb();
+        let Some(job) = self.jobs.get(&id) else {
+            if self.archived.contains_key(&id) {
+                return Some(Rejection::precondition(format!(
+                    "job {id} ended long ago and is archived: nothing to {verb}"
+                )));
+            }
+            return Some(Rejection::not_found(self.missing_job(id)));
+        };
+        let precondition = |m: String| Some(Rejection::precondition(m));
+        match change {
+            JobChange::Hold if job.state != JobState::Pending => precondition(format!(
+                "job {id} is {}: only a pending job can be held",
+                job.state
+            )),
+            JobChange::Hold if job.held => precondition(format!("job {id} is already held")),
+            JobChange::Release if !job.held => precondition(format!("job {id} is not held")),
+            JobChange::Requeue { .. } if job.state == JobState::Pending => {
+                precondition(format!("job {id} is already pending"))
+            }
+            JobChange::Requeue { .. } if !job.state.is_final() && job.ending.is_some() => {
+                precondition(format!(
+                    "job {id} is already ending ({}); requeue it once it has",
+                    job.ending.as_ref().map_or("", |e| e.reason.as_str())
+                ))
+            }
+            JobChange::Update(u) => self.update_refusal(job, u).err(),
+            _ => None,
+        }
+    }
+
+    /// The spec job `job` would have after update `u`, or why the update is refused.
+    fn update_refusal(&self, job: &Job, u: &JobUpdate) -> Result<JobSpec, Rejection> {
+        if u.is_empty() {
+            return Err(Rejection::invalid("update", "changes nothing"));
+        }
+        if job.state != JobState::Pending && !u.only_running_fields() {
+            return Err(Rejection::precondition(format!(
+                "job {} is {}: only a pending job's request changes (a running job's name \
+                 and its array's limit do); requeue it first",
+                job.id, job.state
+            )));
+        }
+        let mut spec = job.spec.clone();
+        if let Some(name) = &u.name {
+            spec.name = name.clone();
+        }
+        if let Some(t) = u.time_limit_secs {
+            spec.time_limit_secs = (t > 0).then_some(t);
+        }
+        if let Some(p) = &u.priority_class {
+            spec.priority_class = p.clone();
+        }
+        if let Some(p) = &u.partition {
+            spec.partition = (!p.is_empty()).then(|| p.clone());
+        }
+        if let Some(b) = u.begin_at {
+            spec.begin_at = (b > 0).then_some(b);
+        }
+        if let Some(list) = &u.nodelist {
+            spec.nodelist = list.clone();
+        }
+        if let Some(list) = &u.exclude {
+            spec.exclude = list.clone();
+        }
+        if let Some(max) = u.max_running {
+            match spec.array.as_mut() {
+                Some(a) => a.max_running = max,
+                None => {
+                    return Err(Rejection::invalid(
+                        "max_running",
+                        format!("job {} is not part of an array", job.id),
+                    ));
+                }
+            }
+        }
+        if job.state == JobState::Pending {
+            self.check_submission(&spec)?;
+        } else {
+            validate::validate_job_spec(&spec)?;
+        }
+        Ok(spec)
+    }
+
+    /// Applies `change` to one job, or refuses it, changing nothing.
+    fn change_job(
+        &mut self,
+        id: JobId,
+        change: &JobChange,
+        at: Timestamp,
+        index: u64,
+    ) -> Result<(), Rejection> {
+        if let Some(r) = self.change_refusal(id, change) {
+            return Err(r);
+        }
+        let note = |s: &mut Self, reason: String| {
+            if let Some(job) = s.jobs.get_mut(&id) {
+                job.version = index;
+                job.history.push(StateChange {
+                    at,
+                    state: job.state,
+                    reason,
+                });
+            }
+        };
+        match change {
+            JobChange::Hold => {
+                if let Some(job) = self.jobs.get_mut(&id) {
+                    job.held = true;
+                }
+                note(self, "held".into());
+            }
+            // Waiting again from now: its queue time (aging, `eligible_since`) restarts, as
+            // Slurm resets a released job's eligible time.
+            JobChange::Release => {
+                if let Some(job) = self.jobs.get_mut(&id) {
+                    job.held = false;
+                }
+                note(self, "released".into());
+            }
+            JobChange::Requeue { reason } => {
+                let reason = if reason.is_empty() {
+                    "requeued by user"
+                } else {
+                    reason
+                };
+                let Some(job) = self.jobs.get(&id) else {
+                    return Ok(());
+                };
+                if job.state.is_final() {
+                    let ended = job.last_change_at();
+                    self.index.finished.remove(&(ended, id));
+                    if let Some(job) = self.jobs.get_mut(&id) {
+                        job.yielded_to = None;
+                    }
+                    self.transition(id, JobState::Pending, reason, at, index);
+                } else {
+                    self.stop_and_requeue(id, reason, None);
+                    note(self, format!("requeue asked: {reason}"));
+                }
+            }
+            JobChange::Cancel { reason } => {
+                let mut changed = Vec::new();
+                if let Outcome::Rejected(r) = self.cancel(id, reason, at, index, &mut changed) {
+                    return Err(r);
+                }
+                self.cascaded.extend(changed);
+            }
+            JobChange::Update(u) => {
+                let Some(job) = self.jobs.get(&id) else {
+                    return Ok(());
+                };
+                let spec = self.update_refusal(job, u)?;
+                if let Some(job) = self.jobs.get_mut(&id) {
+                    job.spec = spec;
+                    job.version = index;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn register_node(
@@ -594,7 +898,7 @@ impl ClusterState {
         let mut accepted = Vec::new();
         let mut rejected = Vec::new();
         for p in placements {
-            match self.check_placement(p) {
+            match self.check_placement(p, at) {
                 Ok(()) => {
                     self.commit_placement(term, p, at, index);
                     accepted.push(p.job);
@@ -606,8 +910,9 @@ impl ClusterState {
         Outcome::Placed { accepted, rejected }
     }
 
-    /// The fit check that `apply` re-runs on every placement of a plan, against current state.
-    pub fn check_placement(&self, p: &JobPlacement) -> Result<(), String> {
+    /// The fit check that `apply` re-runs on every placement of a plan, against current state
+    /// at leader time `at`.
+    pub fn check_placement(&self, p: &JobPlacement, at: Timestamp) -> Result<(), String> {
         let job = self
             .jobs
             .get(&p.job)
@@ -615,6 +920,7 @@ impl ClusterState {
         if job.state != JobState::Pending || !job.allocations.is_empty() {
             return Err(format!("job {} is {}, not pending", job.id, job.state));
         }
+        self.check_job_may_start(job, at)?;
         // Invariant 5: a tenant never holds more than its limit.
         if let Some(t) = self.tenants.get(&job.spec.tenant)
             && t.max_gpus > 0
@@ -672,6 +978,7 @@ impl ClusterState {
             {
                 return Err(format!("node {} is not in partition {part}", task.node));
             }
+            self.check_node_sharing(job, &task.node)?;
             if task.gpus.len() != job.spec.gpus_per_task as usize {
                 return Err(format!(
                     "task on {} gets {} GPUs, job asks for {}",
@@ -691,6 +998,72 @@ impl ClusterState {
                     return Err(format!("GPU {uuid} is placed twice in one plan"));
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// What a job's own request and state say about starting now, whatever the nodes: held,
+    /// a begin time in the future, or its array at its limit of running jobs.
+    fn check_job_may_start(&self, job: &Job, at: Timestamp) -> Result<(), String> {
+        if job.held {
+            return Err(format!("job {} is held", job.id));
+        }
+        if let Some(begin) = job.spec.begin_at
+            && begin > at
+        {
+            return Err(format!("job {} may not start before {begin}", job.id));
+        }
+        if let (Some(task), Some(array)) = (job.array_task, &job.spec.array)
+            && array.max_running > 0
+        {
+            let running = self.array_jobs_running(task);
+            if running >= array.max_running {
+                return Err(format!(
+                    "array {} has {running} of at most {} jobs running",
+                    task.array_id, array.max_running
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Jobs of an array that hold allocations (placed, running or stopping).
+    pub fn array_jobs_running(&self, task: ArrayTask) -> u32 {
+        let end = task.array_id.saturating_add(u64::from(task.count));
+        self.jobs
+            .range(task.array_id..end)
+            .filter(|(_, j)| !j.allocations.is_empty())
+            .count() as u32
+    }
+
+    /// Whether a task of `job` may go on `node` as far as node lists and exclusive use say.
+    fn check_node_sharing(&self, job: &Job, node: &str) -> Result<(), String> {
+        if !job.spec.allows_node(node) {
+            return Err(format!(
+                "node {node} is not allowed for job {} (its --nodelist/--exclude)",
+                job.id
+            ));
+        }
+        let mut others = self
+            .index
+            .node_allocations
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|a| self.allocations.get(a))
+            .map(|rec| rec.allocation.job)
+            .filter(|&j| j != job.id);
+        if job.spec.exclusive {
+            if let Some(other) = others.next() {
+                return Err(format!(
+                    "job {} wants node {node} to itself, and job {other} runs there",
+                    job.id
+                ));
+            }
+        } else if let Some(other) =
+            others.find(|j| self.jobs.get(j).is_some_and(|j| j.spec.exclusive))
+        {
+            return Err(format!("node {node} is held exclusively by job {other}"));
         }
         Ok(())
     }
@@ -842,6 +1215,8 @@ impl ClusterState {
             }
             job.allocations = ids;
             job.yielded_to = None;
+            // A new attempt: how the last one exited no longer describes the job.
+            job.exit = None;
         }
         let mut nodes: Vec<&str> = p.tasks.iter().map(|t| t.node.as_str()).collect();
         nodes.sort_unstable();
@@ -926,6 +1301,23 @@ impl ClusterState {
         if job.state.is_final() {
             // Cancelled (or otherwise ended) earlier; this exit only frees the GPUs.
             return Outcome::Done;
+        }
+        // The first failing task's status is the job's (sacct's ExitCode); format 2.
+        if let TaskOutcome::Failed {
+            exit_code, signal, ..
+        } = outcome
+            && job.exit.is_none_or(|e| e == JobExit { code: 0, signal: 0 })
+            && self.cluster_version.allows(2)
+        {
+            job.exit = Some(JobExit {
+                code: exit_code.unwrap_or(0),
+                signal: signal.unwrap_or(0),
+            });
+        } else if matches!(outcome, TaskOutcome::Succeeded)
+            && job.exit.is_none()
+            && self.cluster_version.allows(2)
+        {
+            job.exit = Some(JobExit { code: 0, signal: 0 });
         }
         // What this task's end means for the whole job.
         let ending = match outcome {

@@ -1587,5 +1587,7 @@ fn a_batch_inside_a_batch_is_refused_and_changes_nothing() {
     assert!(matches!(&outcomes[..], [Outcome::Rejected(r)] if r.message.contains("another batch")));
     assert_unchanged(&before, &h.state, "nested batch");
 }
+/// Arrays, holds, begin times, requeue, update, node lists, exclusive nodes.
+mod slurm_control_tests;
 /// The cluster version and what it gates (`format.rs`).
 mod version_tests;

@@ -101,6 +101,11 @@ impl ClusterState {
             Command::SetGpuHealth { node, gpu, .. } => (format!("node {node} gpu {gpu}"), None),
             Command::PutPartition { partition } => (format!("partition {}", partition.name), None),
             Command::Preempt { for_job, .. } => (format!("job {for_job}"), Some(*for_job)),
+            Command::ChangeJobs { jobs, .. } => match jobs.as_slice() {
+                [one] => (format!("job {one}"), Some(*one)),
+                [first, .., last] => (format!("jobs {first}..{last}"), Some(*first)),
+                [] => (String::new(), None),
+            },
             Command::CreateToken { token } => (format!("token {}", token.id), None),
             Command::RevokeToken { id, .. } => (format!("token {id}"), None),
             Command::AuditNote { target, .. } => (target.clone(), None),

@@ -49,6 +49,75 @@ pub struct JobPlacement {
     pub tasks: Vec<TaskPlacement>,
 }
 
+/// What `Command::ChangeJobs` does to each of its jobs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobChange {
+    /// A pending job is not considered until released (Slurm's `scontrol hold`).
+    Hold,
+    /// A held job waits again, its queue time counted from now (`scontrol release`).
+    Release,
+    /// A running job is stopped and queued again; a finished one is queued again
+    /// (`scontrol requeue`).
+    Requeue { reason: String },
+    /// As `Command::CancelJob`, for each job (`scancel` of a whole array).
+    Cancel { reason: String },
+    /// Change a pending job's request (`scontrol update`); a running job's name only.
+    Update(JobUpdate),
+}
+
+/// The fields `JobChange::Update` sets; `None` leaves one as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct JobUpdate {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Seconds; `Some(0)`: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_limit_secs: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class: Option<String>,
+    /// `Some("")`: no partition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition: Option<String>,
+    /// `Some(0)`: no begin time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub begin_at: Option<Timestamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodelist: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exclude: Option<Vec<String>>,
+    /// An array's `%N` (0: no limit); for every job of the array.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<u32>,
+}
+
+impl JobUpdate {
+    pub fn is_empty(&self) -> bool {
+        *self == JobUpdate::default()
+    }
+
+    /// Whether only fields that may change while the job runs are set.
+    pub fn only_running_fields(&self) -> bool {
+        JobUpdate {
+            name: None,
+            max_running: None,
+            ..self.clone()
+        }
+        .is_empty()
+    }
+}
+
+impl JobChange {
+    pub fn verb(&self) -> &'static str {
+        match self {
+            JobChange::Hold => "hold",
+            JobChange::Release => "release",
+            JobChange::Requeue { .. } => "requeue",
+            JobChange::Cancel { .. } => "cancel",
+            JobChange::Update(_) => "update",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TaskOutcome {
     Succeeded,
@@ -193,6 +262,14 @@ pub enum Command {
     SetClusterVersion {
         version: FormatVersion,
     },
+    /// Hold, release, requeue, update or cancel jobs (Slurm's `scontrol` and `scancel` of a
+    /// whole array): one entry however many jobs. Applied to each job on its own; jobs the
+    /// change does not apply to are refused one by one, and when none took it the command is
+    /// refused whole. Introduced by format 2.
+    ChangeJobs {
+        jobs: Vec<JobId>,
+        change: JobChange,
+    },
     /// `command`, made by `actor` through the API: applied as `command`, and recorded in the
     /// audit trail when it changed the state. Holds neither a batch nor another `Attributed`.
     Attributed {
@@ -255,10 +332,11 @@ impl Command {
                 .max()
                 .unwrap_or(format::LEGACY),
             Command::Attributed { command, .. } => command.introduced_in(),
-            // Format 1 has no container: stripping it would run the job outside one.
-            Command::SubmitJob { spec, .. } if spec.container.is_some() => 2,
-            // Format 1 refuses a job no node fits at apply; a format-2 replica holds it.
-            Command::SubmitJob { spec, .. } if spec.hold_if_unfit => 2,
+            // Format 1 has no container (stripping it would run the job outside one), holds no
+            // job that no node fits, and knows no node lists, exclusive nodes, begin times,
+            // holds or arrays: a format-1 replica would run such a job differently.
+            Command::SubmitJob { spec, .. } if spec.needs_format_2() => 2,
+            Command::ChangeJobs { .. } => 2,
             _ => format::LEGACY,
         }
     }
@@ -300,6 +378,7 @@ impl Command {
             Command::AuditNote { .. } => "audit_note",
             Command::CompactAudit { .. } => "compact_audit",
             Command::SetClusterVersion { .. } => "set_cluster_version",
+            Command::ChangeJobs { .. } => "change_jobs",
             Command::Attributed { command, .. } => command.kind(),
         }
     }
@@ -388,6 +467,9 @@ impl fmt::Display for Command {
             Command::SetClusterVersion { version } => {
                 write!(f, "set cluster version={version}")
             }
+            Command::ChangeJobs { jobs, change } => {
+                write!(f, "{} jobs={jobs:?}", change.verb())
+            }
             Command::Attributed { actor, command } => {
                 write!(f, "{command} (by {} from {})", actor.principal, actor.from)
             }
@@ -469,6 +551,11 @@ pub enum Outcome {
         rejected: Vec<(JobId, String)>,
     },
     Done,
+    /// `Command::ChangeJobs`: the jobs it changed, and why each other job was refused.
+    JobsChanged {
+        changed: Vec<JobId>,
+        refused: Vec<(JobId, String)>,
+    },
     Rejected(Rejection),
     /// The outcome of each command of a `Command::Batch`, in order.
     Batch(Vec<Outcome>),

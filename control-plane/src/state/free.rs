@@ -58,6 +58,18 @@ impl NodeFree {
         free
     }
 
+    /// Nothing free: a node that an exclusive job holds.
+    pub fn nothing(node: &Node) -> NodeFree {
+        NodeFree {
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpus: node.spec.gpus.len().min(MAX_GPUS) as u8,
+            gpu_milli: [0; MAX_GPUS],
+            gpu_memory_mib: [0; MAX_GPUS],
+            mig_free: 0,
+        }
+    }
+
     /// Free milli of the node's GPUs, by position.
     pub fn milli(&self) -> &[u32] {
         &self.gpu_milli[..self.gpus as usize]

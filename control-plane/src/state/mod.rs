@@ -27,8 +27,8 @@ pub use access::{ApiRole, TokenRecord};
 pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use audit::{Actor, AuditRecord, AuditRetention};
 pub use command::{
-    Command, JobPlacement, Outcome, RejectKind, Rejection, Request, TaskOutcome, TaskPlacement,
-    TaskUsage,
+    Command, JobChange, JobPlacement, JobUpdate, Outcome, RejectKind, Rejection, Request,
+    TaskOutcome, TaskPlacement, TaskUsage,
 };
 pub use cow_map::CowMap;
 pub use retention::spec_fingerprint;
@@ -369,6 +369,10 @@ impl ClusterState {
             .filter_map(|id| self.allocations.get(id))
         {
             if let Some(job) = self.jobs.get(&rec.allocation.job) {
+                // A job with the node to itself (`--exclusive`) leaves nothing for others.
+                if job.spec.exclusive {
+                    return free::NodeFree::nothing(node);
+                }
                 free.remove_allocation(node, job, rec);
             }
         }
@@ -448,6 +452,23 @@ impl ClusterState {
             }
             if job.state == JobState::Pending && !job.allocations.is_empty() {
                 return Err(format!("pending job {} holds allocations", job.id));
+            }
+        }
+        // A job with its nodes to itself (`--exclusive`) shares none of them.
+        for (node, allocations) in &self.index.node_allocations {
+            let jobs: BTreeSet<JobId> = allocations
+                .iter()
+                .filter_map(|a| self.allocations.get(a))
+                .map(|r| r.allocation.job)
+                .collect();
+            if jobs.len() > 1
+                && let Some(exclusive) = jobs
+                    .iter()
+                    .find(|j| self.jobs.get(j).is_some_and(|j| j.spec.exclusive))
+            {
+                return Err(format!(
+                    "node {node} runs exclusive job {exclusive} beside other jobs: {jobs:?}"
+                ));
             }
         }
         self.check_archive()

@@ -178,6 +178,109 @@ pub struct JobSpec {
     /// would refuse the job at apply where this one accepts it).
     #[serde(default, skip_serializing_if = "is_false")]
     pub hold_if_unfit: bool,
+    /// Tasks run only on these nodes (Slurm's `-w/--nodelist`, expanded; sorted, distinct).
+    /// Format 2, as are the fields below: a job using any of them is refused while the
+    /// cluster version is 1 (a format-1 replica would place it anywhere).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodelist: Vec<String>,
+    /// Tasks never run on these nodes (`-x/--exclude`; sorted, distinct).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
+    /// The job's nodes run nothing else while it runs (`--exclusive`): it starts only on idle
+    /// nodes, and no other job is placed beside it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub exclusive: bool,
+    /// Not eligible before this leader time (`--begin`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub begin_at: Option<Timestamp>,
+    /// Submitted held (`--hold`): it waits until released (`gpuctl release`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub hold: bool,
+    /// A job array (`--array=0-99%8`): one submission creates a job per index, with
+    /// consecutive ids; the first is the array's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub array: Option<ArraySpec>,
+}
+
+/// The indices of a job array and how many of its tasks may run at once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ArraySpec {
+    /// `first-last:step` ranges as given (validated: ascending within a range, step >= 1).
+    pub ranges: Vec<ArrayRange>,
+    /// Most tasks of the array placed at once (`%N`); 0: no limit.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub max_running: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ArrayRange {
+    pub first: u32,
+    pub last: u32,
+    pub step: u32,
+}
+
+impl ArraySpec {
+    /// Every index, ascending and distinct (ranges may overlap).
+    pub fn indices(&self) -> Vec<u32> {
+        let mut out: Vec<u32> = self
+            .ranges
+            .iter()
+            .flat_map(|r| {
+                (u64::from(r.first)..=u64::from(r.last))
+                    .step_by(r.step.max(1) as usize)
+                    .map(|i| i as u32)
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The lowest and highest index (without listing them).
+    pub fn index_bounds(&self) -> (u32, u32) {
+        let min = self.ranges.iter().map(|r| r.first).min().unwrap_or(0);
+        // A range's last index is the highest its step reaches.
+        let max = self
+            .ranges
+            .iter()
+            .map(|r| r.first + r.last.saturating_sub(r.first) / r.step.max(1) * r.step.max(1))
+            .max()
+            .unwrap_or(0);
+        (min, max)
+    }
+
+    /// Slurm's spelling: `0-99:2,200%8`.
+    pub fn text(&self) -> String {
+        let mut out = self
+            .ranges
+            .iter()
+            .map(|r| match (r.first == r.last, r.step) {
+                (true, _) => r.first.to_string(),
+                (false, 1) => format!("{}-{}", r.first, r.last),
+                (false, s) => format!("{}-{}:{s}", r.first, r.last),
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+        if self.max_running > 0 {
+            out.push_str(&format!("%{}", self.max_running));
+        }
+        out
+    }
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
+}
+
+/// Where a job sits in its array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArrayTask {
+    /// The array's id: the id of its first job.
+    pub array_id: JobId,
+    /// This job's index (`SLURM_ARRAY_TASK_ID`).
+    pub index: u32,
+    /// Jobs in the array (ids `array_id..array_id + count`).
+    pub count: u32,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -214,6 +317,35 @@ pub fn mig_compute_slices(profile: &str) -> Option<u64> {
 }
 
 impl JobSpec {
+    /// Whether the job names the nodes it may use or must have to itself (`-w`, `-x`,
+    /// `--exclusive`): such a job is placed node by node, not by groups of alike nodes.
+    pub fn has_node_constraints(&self) -> bool {
+        !self.nodelist.is_empty() || !self.exclude.is_empty() || self.exclusive
+    }
+
+    /// Whether `--nodelist` and `--exclude` let a task run on node `name`.
+    pub fn allows_node(&self, name: &str) -> bool {
+        (self.nodelist.is_empty()
+            || self
+                .nodelist
+                .binary_search_by(|n| n.as_str().cmp(name))
+                .is_ok())
+            && self
+                .exclude
+                .binary_search_by(|n| n.as_str().cmp(name))
+                .is_err()
+    }
+
+    /// Whether the spec uses a field of format 2 that a format-1 replica would drop.
+    pub fn needs_format_2(&self) -> bool {
+        self.container.is_some()
+            || self.hold_if_unfit
+            || self.has_node_constraints()
+            || self.begin_at.is_some()
+            || self.hold
+            || self.array.is_some()
+    }
+
     pub fn total_gpus(&self) -> u64 {
         u64::from(self.gpus_per_task) * u64::from(self.tasks)
     }
@@ -334,6 +466,24 @@ pub struct Job {
     /// [`MAX_RECORDED_ATTEMPTS`] only; recorded from format 2 on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attempts: Vec<Vec<AllocationId>>,
+    /// Held (`--hold`, `gpuctl hold`): pending but not considered until released.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub held: bool,
+    /// Its place in a job array, if it is one of an array's jobs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub array_task: Option<ArrayTask>,
+    /// How its last attempt's tasks exited, as sacct's ExitCode: the first failing task's
+    /// code and signal, or 0:0 when every task succeeded (format 2; `None`: no task has
+    /// exited since it was last placed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<JobExit>,
+}
+
+/// A job's exit status (Slurm's `ExitCode` `code:signal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobExit {
+    pub code: i32,
+    pub signal: i32,
 }
 
 /// Placements of one job whose allocations are kept (a job requeued for ever keeps the

@@ -4,7 +4,8 @@
 
 use super::command::Rejection;
 use super::types::{
-    ContainerSpec, JobSpec, MILLI_PER_GPU, NodeSpec, Partition, Tenant, mig_compute_slices,
+    ArraySpec, ContainerSpec, JobSpec, MILLI_PER_GPU, NodeSpec, Partition, Tenant,
+    mig_compute_slices,
 };
 
 /// The most GPUs any host can have (HGX-2 class boards carry 16).
@@ -277,6 +278,10 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
         ));
     }
     validate_gpu_kind(spec)?;
+    validate_node_lists(&spec.nodelist, &spec.exclude)?;
+    if let Some(array) = &spec.array {
+        validate_array(array)?;
+    }
     if spec.env.len() > MAX_ENV_VARS {
         return Err(Rejection::invalid(
             "env",
@@ -306,6 +311,82 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
         return Err(Rejection::invalid(
             "env",
             format!("is {env_bytes} bytes; the limit is {MAX_ENV_BYTES}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Most nodes one `--nodelist` or `--exclude` names.
+pub const MAX_NODE_LIST: usize = 1024;
+/// Most jobs one array submission creates (Slurm's default `MaxArraySize` is 1001).
+pub const MAX_ARRAY_TASKS: usize = 10_000;
+/// Largest array index (Slurm's limit on `MaxArraySize` is 4,000,001).
+pub const MAX_ARRAY_INDEX: u32 = 4_000_000;
+/// Most ranges in one `--array` (`0-9,20,30-39:3` is three).
+pub const MAX_ARRAY_RANGES: usize = 64;
+
+/// `--nodelist` and `--exclude`: node names, sorted and distinct (the API sorts them), and no
+/// node in both.
+pub fn validate_node_lists(nodelist: &[String], exclude: &[String]) -> Result<(), Rejection> {
+    for (field, list) in [("nodelist", nodelist), ("exclude", exclude)] {
+        if list.len() > MAX_NODE_LIST {
+            return Err(Rejection::invalid(
+                field,
+                format!("names {} nodes; the limit is {MAX_NODE_LIST}", list.len()),
+            ));
+        }
+        for name in list {
+            validate_name(field, name)?;
+        }
+        if list.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Rejection::invalid(field, "must be sorted and distinct"));
+        }
+    }
+    if let Some(both) = nodelist.iter().find(|n| exclude.binary_search(n).is_ok()) {
+        return Err(Rejection::invalid(
+            "exclude",
+            format!("node {both} is both in the node list and excluded"),
+        ));
+    }
+    Ok(())
+}
+
+/// A job array's ranges and limit.
+pub fn validate_array(array: &ArraySpec) -> Result<(), Rejection> {
+    if array.ranges.is_empty() {
+        return Err(Rejection::invalid("array", "names no index"));
+    }
+    if array.ranges.len() > MAX_ARRAY_RANGES {
+        return Err(Rejection::invalid(
+            "array",
+            format!("has more than {MAX_ARRAY_RANGES} ranges"),
+        ));
+    }
+    let mut count: u64 = 0;
+    for r in &array.ranges {
+        if r.first > r.last {
+            return Err(Rejection::invalid(
+                "array",
+                format!("range {}-{} runs backwards", r.first, r.last),
+            ));
+        }
+        if r.step == 0 {
+            return Err(Rejection::invalid("array", "a step must be at least 1"));
+        }
+        if r.last > MAX_ARRAY_INDEX {
+            return Err(Rejection::invalid(
+                "array",
+                format!("index {} is above the limit of {MAX_ARRAY_INDEX}", r.last),
+            ));
+        }
+        count += u64::from((r.last - r.first) / r.step) + 1;
+    }
+    // Counted before any index is listed, so a huge range costs nothing to refuse (ranges
+    // that overlap count twice here).
+    if count > MAX_ARRAY_TASKS as u64 {
+        return Err(Rejection::invalid(
+            "array",
+            format!("would create more than {MAX_ARRAY_TASKS} jobs"),
         ));
     }
     Ok(())

@@ -396,6 +396,7 @@ impl Agent {
                         task: a.task_index,
                         node: &self.config.name,
                         job_name: &a.job_name,
+                        array: (a.array_job_id > 0).then_some((a.array_job_id, a.array_task_id)),
                     };
                     let workdir = spec.workdir.clone();
                     let expand = |p: &str| output_files::expand(p, &names, workdir.as_deref());
@@ -628,6 +629,18 @@ fn launch_spec(
         &a.task_hosts,
         &env,
     ));
+    if a.array_job_id > 0 {
+        env.extend(task_env::array_env(
+            &task_env::ArrayPlace {
+                array_id: a.array_job_id,
+                index: a.array_task_id,
+                count: a.array_task_count,
+                min: a.array_task_min,
+                max: a.array_task_max,
+            },
+            &env,
+        ));
+    }
     LaunchSpec {
         allocation_id: a.allocation_id,
         job_id: a.job_id,

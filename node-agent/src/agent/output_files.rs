@@ -1,5 +1,6 @@
 //! A job's output files (sbatch's `-o`/`-e`), named by pattern: `%j` the job id, `%t` the
-//! task, `%N` the node, `%x` the job name, `%%` a `%`; any other `%` sequence is kept as
+//! task, `%N` the node, `%x` the job name, `%A` the array's id and `%a` the job's index in it
+//! (outside an array: the job's own id, and nothing), `%%` a `%`; any other `%` sequence is kept as
 //! written (sbatch's unknown ones are too). A relative name is relative to the job's working
 //! directory. Pure.
 
@@ -11,6 +12,8 @@ pub struct TaskNames<'a> {
     pub task: u32,
     pub node: &'a str,
     pub job_name: &'a str,
+    /// For a job of an array: the array's id and this job's index.
+    pub array: Option<(u64, u32)>,
 }
 
 pub fn expand(pattern: &str, names: &TaskNames<'_>, workdir: Option<&Path>) -> PathBuf {
@@ -27,6 +30,12 @@ pub fn expand(pattern: &str, names: &TaskNames<'_>, workdir: Option<&Path>) -> P
             Some('N') => out.push_str(names.node),
             // A name may hold '/': it must not reach another directory.
             Some('x') => out.push_str(&names.job_name.replace('/', "_")),
+            Some('A') => out.push_str(&names.array.map_or(names.job, |(a, _)| a).to_string()),
+            Some('a') => {
+                if let Some((_, index)) = names.array {
+                    out.push_str(&index.to_string());
+                }
+            }
             Some('%') => out.push('%'),
             _ => {
                 out.push('%');
@@ -51,6 +60,7 @@ mod tests {
         task: 3,
         node: "gpu-7",
         job_name: "train/v2",
+        array: None,
     };
 
     #[test]
@@ -63,6 +73,20 @@ mod tests {
             expand("100%%-%q-%", &NAMES, None),
             PathBuf::from("100%-%q-%")
         );
+    }
+
+    #[test]
+    fn array_jobs_name_their_array_and_index() {
+        let names = TaskNames {
+            job: 45,
+            array: Some((41, 12)),
+            ..NAMES
+        };
+        assert_eq!(
+            expand("out-%A_%a.%j.log", &names, None),
+            PathBuf::from("out-41_12.45.log")
+        );
+        assert_eq!(expand("out-%A_%a", &NAMES, None), PathBuf::from("out-42_"));
     }
 
     #[test]

@@ -79,9 +79,63 @@ pub fn task_env(
     env
 }
 
+/// Where a job sits in its job array.
+pub struct ArrayPlace {
+    pub array_id: u64,
+    pub index: u32,
+    pub count: u32,
+    pub min: u32,
+    pub max: u32,
+}
+
+/// The variables of a job of an array: `GPUCP_ARRAY_*` always, Slurm's `SLURM_ARRAY_*` where
+/// the job's own environment does not set them.
+pub fn array_env(a: &ArrayPlace, user: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    env.insert("GPUCP_ARRAY_JOB_ID".into(), a.array_id.to_string());
+    env.insert("GPUCP_ARRAY_TASK_ID".into(), a.index.to_string());
+    let slurm = [
+        ("SLURM_ARRAY_JOB_ID", a.array_id.to_string()),
+        ("SLURM_ARRAY_TASK_ID", a.index.to_string()),
+        ("SLURM_ARRAY_TASK_COUNT", a.count.to_string()),
+        ("SLURM_ARRAY_TASK_MIN", a.min.to_string()),
+        ("SLURM_ARRAY_TASK_MAX", a.max.to_string()),
+    ];
+    for (k, v) in slurm {
+        if !user.contains_key(k) {
+            env.insert(k.to_owned(), v);
+        }
+    }
+    env
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn array_jobs_find_their_index_under_slurms_names() {
+        let place = ArrayPlace {
+            array_id: 41,
+            index: 7,
+            count: 100,
+            min: 0,
+            max: 99,
+        };
+        let e = array_env(&place, &BTreeMap::new());
+        assert_eq!(e["SLURM_ARRAY_TASK_ID"], "7");
+        assert_eq!(e["SLURM_ARRAY_JOB_ID"], "41");
+        assert_eq!(e["SLURM_ARRAY_TASK_COUNT"], "100");
+        assert_eq!(e["SLURM_ARRAY_TASK_MAX"], "99");
+        assert_eq!(e["GPUCP_ARRAY_TASK_ID"], "7");
+        let user = BTreeMap::from([("SLURM_ARRAY_TASK_ID".to_string(), "x".to_string())]);
+        let e = array_env(&place, &user);
+        assert!(
+            !e.contains_key("SLURM_ARRAY_TASK_ID"),
+            "the job's own value stays"
+        );
+        assert_eq!(e["GPUCP_ARRAY_TASK_ID"], "7");
+    }
 
     fn hosts(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| (*s).to_owned()).collect()

@@ -65,6 +65,11 @@ pub struct Observer {
     pub tasks_succeeded: u64,
     /// The events themselves, when `GPUCP_DST_TRACE` asks for them (to compare two runs).
     pub trace: Option<Vec<String>>,
+    /// Acknowledged jobs that want their nodes to themselves (`--exclusive`): every job of an
+    /// exclusive array too.
+    exclusive: BTreeSet<JobId>,
+    /// Acknowledged arrays with a limit: first id → (jobs, most running at once).
+    arrays: BTreeMap<JobId, (u64, u32)>,
 }
 
 impl Observer {
@@ -98,7 +103,69 @@ impl Observer {
         });
     }
 
-    /// A host starts a process. Checks invariants 1 (host side), 3 and 5 (host side).
+    /// What an acknowledged submission asked of the hosts beyond its shape: exclusive nodes,
+    /// an array's limit of running jobs. Its jobs are `id..id + jobs`.
+    pub fn note_rules(&mut self, id: JobId, spec: &crate::state::JobSpec) {
+        let jobs = spec.array.as_ref().map_or(1, |a| a.indices().len() as u64);
+        if spec.exclusive {
+            self.exclusive.extend(id..id + jobs);
+        }
+        if let Some(a) = &spec.array
+            && a.max_running > 0
+        {
+            self.arrays.insert(id, (jobs, a.max_running));
+        }
+    }
+
+    /// Slurm's rules on the hosts as `p` starts: an exclusive job shares its node with no other
+    /// job, and an array runs no more jobs at once than its limit.
+    fn check_rules(&mut self, at_ms: u64, p: &Process) {
+        let beside: BTreeSet<JobId> = self
+            .running
+            .values()
+            .filter(|o| o.node == p.node && o.job != p.job)
+            .map(|o| o.job)
+            .collect();
+        let exclusive_here = std::iter::once(p.job)
+            .chain(beside.iter().copied())
+            .find(|j| self.exclusive.contains(j));
+        if let Some(ex) = exclusive_here
+            && !beside.is_empty()
+        {
+            self.violation(
+                "exclusive nodes (hosts)",
+                at_ms,
+                format!(
+                    "job {} started on {} beside jobs {beside:?}, and job {ex} wants the node to itself",
+                    p.job, p.node
+                ),
+            );
+        }
+        if let Some((&first, &(jobs, max))) = self.arrays.range(..=p.job).next_back()
+            && p.job < first + jobs
+        {
+            let running: BTreeSet<JobId> = self
+                .running
+                .values()
+                .map(|o| o.job)
+                .chain(std::iter::once(p.job))
+                .filter(|j| (first..first + jobs).contains(j))
+                .collect();
+            if running.len() > max as usize {
+                self.violation(
+                    "array limit (hosts)",
+                    at_ms,
+                    format!(
+                        "array {first} runs jobs {running:?} at once, its limit is {max} (job {} started on {})",
+                        p.job, p.node
+                    ),
+                );
+            }
+        }
+    }
+
+    /// A host starts a process. Checks invariants 1 (host side), 3 and 5 (host side), and
+    /// Slurm's rules (exclusive nodes, array limits).
     pub fn start(&mut self, at_ms: u64, p: Process) {
         self.record(at_ms, ("start", &p.node, p.allocation, p.job, &p.gpus));
         self.processes_started += 1;
@@ -179,6 +246,7 @@ impl Observer {
                 );
             }
         }
+        self.check_rules(at_ms, &p);
         self.running.insert(p.allocation, p);
     }
 

@@ -51,6 +51,10 @@ pub struct Running {
     alive: Arc<AtomicBool>,
 }
 
+/// Leader time at the start of every seed, 2026-01-01T00:00:00Z: timestamps look like real
+/// ones (a job's `--begin` is written in them).
+pub const EPOCH_MS: u64 = 1_767_225_600_000;
+
 pub struct SimCluster {
     pub net: SimNet,
     pub name: String,
@@ -118,8 +122,7 @@ impl SimCluster {
             tuning,
             leader_config,
             clock_origin: tokio::time::Instant::now(),
-            // 2026-01-01T00:00:00Z: leader timestamps look like real ones.
-            epoch_ms: 1_767_225_600_000,
+            epoch_ms: EPOCH_MS,
             slots: Mutex::new(slots),
         }
     }

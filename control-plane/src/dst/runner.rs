@@ -142,7 +142,12 @@ async fn simulate(seed: u64, params: Params) -> SeedReport {
         tokio::spawn(super::agent::run(world.clone(), i, spec, rng.next_u64()));
     }
 
-    let plan = workload::submissions(&mut rng, params.jobs, params.submit_window_ms);
+    let plan = workload::submissions(
+        &mut rng,
+        params.jobs,
+        params.submit_window_ms,
+        params.hosts.len(),
+    );
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let mut clients = Vec::new();
     for c in 0..params.clients {

@@ -2,7 +2,10 @@
 //! shares, MIG slices, preemptible low-priority and high-priority work), and clients that
 //! submit through the real `ControlPlane` service with idempotency keys, retrying on another
 //! replica after a timeout or refusal (as `gpuctl` does across leader changes). Some requests
-//! are sent twice on purpose; some jobs are cancelled.
+//! are sent twice on purpose; some jobs are cancelled. Slurm's rules are on too: some
+//! submissions are small arrays with a limit of one or two running, some are held and
+//! released later, some begin later, some want their node to themselves or name or exclude a
+//! host, and some running jobs are requeued.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -12,13 +15,13 @@ use proto::v1 as pb;
 use proto::v1::control_plane_server::ControlPlane;
 use tonic::{Code, Status};
 
-use super::cluster::{leader_hint, sim_request_as};
+use super::cluster::{EPOCH_MS, leader_hint, sim_request_as};
 use super::net::Endpoint;
 use super::world::World;
 use crate::api::convert::job_spec_to_proto;
 use crate::raft::NodeId;
 use crate::scheduler::score::SplitMix64;
-use crate::state::{JobId, JobSpec, Tenant};
+use crate::state::{ArrayRange, ArraySpec, JobId, JobSpec, Tenant};
 use crate::synthetic::job_spec;
 
 /// The tenants every seed uses: `t0` and `t2` have limits (invariant 5), `t1` has none.
@@ -55,10 +58,22 @@ pub struct Submission {
     pub duplicate: bool,
     /// Cancel the job this long after it was acknowledged.
     pub cancel_after_ms: Option<u64>,
+    /// Submitted held: release it this long after it was acknowledged.
+    pub release_after_ms: Option<u64>,
+    /// Requeue it (`gpuctl requeue`) this long after it was acknowledged.
+    pub requeue_after_ms: Option<u64>,
 }
 
-pub fn submissions(rng: &mut SplitMix64, jobs: usize, window_ms: u64) -> Vec<Submission> {
+pub fn submissions(
+    rng: &mut SplitMix64,
+    jobs: usize,
+    window_ms: u64,
+    hosts: usize,
+) -> Vec<Submission> {
     let mut out = Vec::with_capacity(jobs);
+    // Slurm's rules come from a stream of their own, so the job mix above is each seed's as
+    // it was before they existed.
+    let mut rules = SplitMix64::new(rng.clone().next_u64() ^ 0x5EED_5107);
     for i in 0..jobs {
         let mut tenant = rng.below(3);
         let (shape, mig) = match rng.below(100) {
@@ -92,12 +107,43 @@ pub fn submissions(rng: &mut SplitMix64, jobs: usize, window_ms: u64) -> Vec<Sub
             spec.cpu_milli_per_task = 1000;
             spec.memory_mib_per_task = 8192;
         }
+        let at_ms = 1_000 + rng.below(window_ms.max(1));
+        let duplicate = rng.below(10) == 0;
+        let cancel_after_ms = (rng.below(100) < 8).then(|| rng.below(10_000));
+        let host = |r: &mut SplitMix64| format!("host-{}", r.below(hosts.max(1) as u64));
+        let mut release_after_ms = None;
+        let mut requeue_after_ms = None;
+        match rules.below(100) {
+            0..=5 => {
+                let last = 1 + rules.below(2) as u32;
+                spec.array = Some(ArraySpec {
+                    ranges: vec![ArrayRange {
+                        first: 0,
+                        last,
+                        step: 1,
+                    }],
+                    max_running: 1 + rules.below(2) as u32,
+                });
+            }
+            6..=10 => {
+                spec.hold = true;
+                release_after_ms = Some(500 + rules.below(5_000));
+            }
+            11..=14 => spec.begin_at = Some(EPOCH_MS + at_ms + 2_000 + rules.below(4_000)),
+            15..=18 => spec.exclusive = true,
+            19..=21 => spec.exclude = vec![host(&mut rules)],
+            22..=24 => spec.nodelist = vec![host(&mut rules)],
+            25..=28 => requeue_after_ms = Some(500 + rules.below(6_000)),
+            _ => {}
+        }
         out.push(Submission {
             key: format!("key-{i}"),
             spec,
-            at_ms: 1_000 + rng.below(window_ms.max(1)),
-            duplicate: rng.below(10) == 0,
-            cancel_after_ms: (rng.below(100) < 8).then(|| rng.below(10_000)),
+            at_ms,
+            duplicate,
+            cancel_after_ms,
+            release_after_ms,
+            requeue_after_ms,
         });
     }
     out.sort_by_key(|s| s.at_ms);
@@ -157,6 +203,9 @@ pub async fn run_client(
                 None => return,
             }
         }
+        if let Some(id) = id {
+            world.observer().note_rules(id, &s.spec);
+        }
         if let (Some(id), Some(after)) = (id, s.cancel_after_ms) {
             let world = world.clone();
             let ledger = ledger.clone();
@@ -165,6 +214,29 @@ pub async fn run_client(
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(after)).await;
                 cancel(&world, me, start, id, &tenant, &ledger).await;
+            });
+        }
+        for (after, change) in [
+            (
+                s.release_after_ms,
+                pb::change_job_request::Change::Release(pb::ReleaseJob {}),
+            ),
+            (
+                s.requeue_after_ms,
+                pb::change_job_request::Change::Requeue(pb::RequeueJob {
+                    reason: "requeued by the simulated client".into(),
+                }),
+            ),
+        ] {
+            let (Some(id), Some(after)) = (id, after) else {
+                continue;
+            };
+            let world = world.clone();
+            let start = target;
+            let tenant = s.spec.tenant.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(after)).await;
+                change_job(&world, me, start, id, &tenant, change).await;
             });
         }
     }
@@ -237,6 +309,57 @@ fn user_identity(tenant: &str) -> std::sync::Arc<proto::tls::PeerIdentity> {
         serial: "52".into(),
         not_after_ms: u64::MAX,
     })
+}
+
+/// Holds, releases or requeues a job (every job of an array, by its id), retrying on another
+/// replica until the answer is final; a refusal (already released, not running yet, ended)
+/// is an answer.
+async fn change_job(
+    world: &World,
+    me: Endpoint,
+    mut target: NodeId,
+    id: JobId,
+    tenant: &str,
+    change: pb::change_job_request::Change,
+) {
+    let timeout = Duration::from_millis(world.params.call_timeout_ms);
+    while !world.stopped() {
+        let request = pb::ChangeJobRequest {
+            id,
+            only_this_job: false,
+            change: Some(change.clone()),
+        };
+        let identity = user_identity(tenant);
+        let result = world
+            .cluster
+            .call(me, target, timeout, |r| async move {
+                r.client_api
+                    .change_job(sim_request_as(&identity, request))
+                    .await
+            })
+            .await;
+        match result {
+            Ok(resp) => {
+                let at = world.now_ms();
+                world
+                    .observer()
+                    .record(at, ("changed", id, format!("{change:?}"), resp.changed));
+                return;
+            }
+            Err(status)
+                if matches!(
+                    status.code(),
+                    Code::FailedPrecondition | Code::NotFound | Code::InvalidArgument
+                ) =>
+            {
+                return;
+            }
+            Err(status) => {
+                target = next_target(world, target, &status);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
 }
 
 async fn cancel(

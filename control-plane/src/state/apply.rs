@@ -607,9 +607,19 @@ impl ClusterState {
                 job.state
             )),
             JobChange::Hold if job.held => precondition(format!("job {id} is already held")),
+            JobChange::Release if job.state != JobState::Pending => {
+                precondition(format!("job {id} is {}: nothing to release", job.state))
+            }
             JobChange::Release if !job.held => precondition(format!("job {id} is not held")),
             JobChange::Requeue { .. } if job.state == JobState::Pending => {
                 precondition(format!("job {id} is already pending"))
+            }
+            // A cancelled job whose tasks still stop: its allocations end it as it is.
+            JobChange::Requeue { .. } if job.state.is_final() && !job.allocations.is_empty() => {
+                precondition(format!(
+                    "job {id} is {} and its tasks are still stopping; requeue it once they have",
+                    job.state
+                ))
             }
             JobChange::Requeue { .. } if !job.state.is_final() && job.ending.is_some() => {
                 precondition(format!(

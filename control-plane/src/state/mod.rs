@@ -430,8 +430,12 @@ impl ClusterState {
         }
         // Derived without cloning the state: at a million job records a clone doubles the
         // replica's memory while a snapshot loads.
-        if self.derive_indexes() != self.index {
-            return Err("derived indexes differ from the data they index".into());
+        let derived = self.derive_indexes();
+        if derived != self.index {
+            return Err(format!(
+                "derived indexes differ from the data they index: {}",
+                self.index.difference(&derived)
+            ));
         }
         for (gpu, shares) in &self.index.gpu_shares {
             if shares.milli > MILLI_PER_GPU as u32 {
@@ -472,6 +476,85 @@ impl ClusterState {
             }
         }
         self.check_archive()
+    }
+}
+
+impl Indexes {
+    /// The first index in which `self` (kept) and `derived` differ, with the first key, for
+    /// the evidence of a consistency check.
+    fn difference(&self, derived: &Indexes) -> String {
+        fn first<K: Ord + std::fmt::Debug + Clone, V: PartialEq + std::fmt::Debug>(
+            name: &str,
+            kept: &BTreeMap<K, V>,
+            derived: &BTreeMap<K, V>,
+        ) -> Option<String> {
+            let keys: BTreeSet<&K> = kept.keys().chain(derived.keys()).collect();
+            keys.into_iter()
+                .find(|k| kept.get(k) != derived.get(k))
+                .map(|k| {
+                    format!(
+                        "{name}[{k:?}]: kept {:?}, derived {:?}",
+                        kept.get(k),
+                        derived.get(k)
+                    )
+                })
+        }
+        fn set<K: Ord + std::fmt::Debug>(
+            name: &str,
+            kept: &BTreeSet<K>,
+            derived: &BTreeSet<K>,
+        ) -> Option<String> {
+            (kept != derived).then(|| {
+                format!(
+                    "{name}: kept only {:?}, derived only {:?}",
+                    kept.difference(derived).take(5).collect::<Vec<_>>(),
+                    derived.difference(kept).take(5).collect::<Vec<_>>()
+                )
+            })
+        }
+        first("gpu_shares", &self.gpu_shares, &derived.gpu_shares)
+            .or_else(|| set("pending", &self.pending, &derived.pending))
+            .or_else(|| {
+                first(
+                    "node_allocations",
+                    &self.node_allocations,
+                    &derived.node_allocations,
+                )
+            })
+            .or_else(|| {
+                first(
+                    "tenant_held_milli",
+                    &self.tenant_held_milli,
+                    &derived.tenant_held_milli,
+                )
+            })
+            .or_else(|| first("dependents", &self.dependents, &derived.dependents))
+            .or_else(|| {
+                first(
+                    "hardware_class",
+                    &self.hardware_class,
+                    &derived.hardware_class,
+                )
+            })
+            .or_else(|| first("class_nodes", &self.class_nodes, &derived.class_nodes))
+            .or_else(|| first("node_free", &self.node_free, &derived.node_free))
+            .or_else(|| {
+                first(
+                    "tenant_running",
+                    &self.tenant_running,
+                    &derived.tenant_running,
+                )
+            })
+            .or_else(|| set("finished", &self.finished, &derived.finished))
+            .or_else(|| {
+                set(
+                    "archived_by_end",
+                    &self.archived_by_end,
+                    &derived.archived_by_end,
+                )
+            })
+            .or_else(|| first("idempotency", &self.idempotency, &derived.idempotency))
+            .unwrap_or_else(|| "an index".into())
     }
 }
 

@@ -123,6 +123,35 @@ fn a_held_job_waits_until_released_and_its_queue_time_restarts() {
     h.place(id, vec![task("h1", &[0])]);
     let r = h.reject(change(&[id], JobChange::Hold));
     assert!(r.message.contains("only a pending job"), "{}", r.message);
+    // A held job that was cancelled has nothing to release (its record stays as it ended).
+    let mut spec = job(1).spec();
+    spec.hold = true;
+    let gone = h.submit(spec);
+    h.apply(Command::cancel(gone, ""));
+    let r = h.reject(change(&[gone], JobChange::Release));
+    assert!(r.message.contains("nothing to release"), "{}", r.message);
+}
+
+#[test]
+fn a_cancelled_job_still_stopping_is_not_requeued_under_its_tasks() {
+    let mut h = fleet();
+    let (id, allocs) = h.running(job(1).spec(), vec![task("h1", &[0])]);
+    h.apply(Command::cancel(id, ""));
+    let r = h.reject(change(
+        &[id],
+        JobChange::Requeue {
+            reason: String::new(),
+        },
+    ));
+    assert!(r.message.contains("still stopping"), "{}", r.message);
+    h.exit(allocs[0], TaskOutcome::Stopped);
+    h.apply(change(
+        &[id],
+        JobChange::Requeue {
+            reason: String::new(),
+        },
+    ));
+    assert_eq!(h.job(id).state, JobState::Pending);
 }
 
 #[test]

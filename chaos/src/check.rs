@@ -1,4 +1,4 @@
-//! The checker: reads a history and reports, for each invariant of `shared/DESIGN.md`, the
+//! The checker: reads a history and reports, for each invariant of `docs/ARCHITECTURE.md`, the
 //! evidence of every violation it finds. Pure: no I/O, no clock, so it is tested with histories
 //! built by hand (below) and re-runs identically on a saved history (`chaos check`).
 
@@ -424,7 +424,7 @@ fn queue_order(events: &[Event]) -> InvariantResult {
     type Class<'a> = (&'a str, &'a str, i64, i64, u32);
     let mut classes: BTreeMap<Class, Vec<&JobView>> = BTreeMap::new();
     for j in jobs {
-        if j.placed_ms.is_some() && !j.requeued && !j.has_dependencies {
+        if j.placed_ms.is_some() && !j.requeued && !j.has_dependencies && !j.scheduling_rules {
             classes
                 .entry((
                     &j.tenant,
@@ -601,6 +601,7 @@ mod tests {
             placed_ms: Some(id * 10 + 5),
             requeued: false,
             has_dependencies: false,
+            scheduling_rules: false,
             allocs: vec![],
         }
     }

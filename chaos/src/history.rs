@@ -216,6 +216,10 @@ pub struct JobView {
     /// It went back to the queue at least once (its placement order is not comparable).
     pub requeued: bool,
     pub has_dependencies: bool,
+    /// Held, limited by its array, begun later, or bound to nodes: its placement order is not
+    /// its submission order's to decide.
+    #[serde(default)]
+    pub scheduling_rules: bool,
     pub allocs: Vec<AllocView>,
 }
 
@@ -261,6 +265,12 @@ impl JobView {
             placed_ms,
             requeued,
             has_dependencies: !spec.dependencies.is_empty(),
+            scheduling_rules: spec.hold
+                || spec.array.as_ref().is_some_and(|a| a.max_running > 0)
+                || spec.begin_at_ms > 0
+                || !spec.nodelist.is_empty()
+                || !spec.exclude.is_empty()
+                || spec.exclusive,
             allocs: j
                 .allocations
                 .iter()

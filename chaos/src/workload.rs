@@ -111,7 +111,7 @@ pub fn job_spec(i: u64, rng: &mut Rng) -> pb::JobSpec {
     } else {
         0.2 + rng.below(13) as f64 * 0.1
     };
-    pb::JobSpec {
+    let mut spec = pb::JobSpec {
         tenant: tenant.into(),
         name: format!("chaos-{i}"),
         command: vec!["sleep".into(), format!("{secs:.1}")],
@@ -120,7 +120,24 @@ pub fn job_spec(i: u64, rng: &mut Rng) -> pb::JobSpec {
         gpu_milli: milli,
         priority_class: priority.into(),
         ..Default::default()
+    };
+    // Slurm's rules ride along: one job in sixteen is submitted held (its client releases it
+    // a second later), one in sixteen is an array of three running one at a time.
+    match rng.below(16) {
+        0 => spec.hold = true,
+        1 => {
+            spec.array = Some(pb::ArraySpec {
+                ranges: vec![pb::ArrayRange {
+                    first: 0,
+                    last: 2,
+                    step: 1,
+                }],
+                max_running: 1,
+            })
+        }
+        _ => {}
     }
+    spec
 }
 
 pub struct Workload {
@@ -169,12 +186,21 @@ impl Workload {
                         idempotency_key: format!("chaos-{}-{i}", cfg.seed),
                     };
                     stats.submitted += 1;
+                    let held = req.spec.as_ref().is_some_and(|s| s.hold);
                     // Retry with the same key until acknowledged or definitely refused.
                     for _attempt in 0..6 {
                         match submit(&mut client, &req, c as u32, &recorder, &next_op).await {
                             Some(Ok(id)) => {
                                 stats.acknowledged += 1;
                                 acked.push((req.clone(), id));
+                                if held {
+                                    let (_, addrs) = endpoints.get();
+                                    let credentials = credentials.clone();
+                                    tokio::spawn(async move {
+                                        tokio::time::sleep(Duration::from_secs(1)).await;
+                                        release(&addrs, &credentials, id).await;
+                                    });
+                                }
                                 break;
                             }
                             Some(Err(())) => break,
@@ -266,6 +292,28 @@ async fn submit(
         outcome,
     });
     ret
+}
+
+/// Releases a held job, retrying across replicas (a refusal, such as one for a job cancelled
+/// meanwhile, is an answer). Not an operation of the history: nothing is checked of it but
+/// that the job then runs (progress).
+async fn release(addrs: &[String], credentials: &control_plane::client::Credentials, job: u64) {
+    let Ok(mut client) = Client::new(addrs, credentials) else {
+        return;
+    };
+    client.attempt_timeout = Duration::from_millis(800);
+    client.deadline = Duration::from_secs(30);
+    let req = pb::ChangeJobRequest {
+        id: job,
+        only_this_job: false,
+        change: Some(pb::change_job_request::Change::Release(pb::ReleaseJob {})),
+    };
+    let _ = client
+        .call(|mut c, t| {
+            let r = req.clone();
+            async move { c.change_job(with_timeout(r, t)).await }
+        })
+        .await;
 }
 
 async fn cancel(client: &mut Client, job: u64, c: u32, recorder: &Recorder, next_op: &AtomicU64) {

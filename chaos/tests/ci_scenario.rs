@@ -83,7 +83,8 @@ fn ci_scenario_has_no_violations() {
         "{summary:#}"
     );
     assert_eq!(summary["replica_upgrades"]["n"], 1, "{summary:#}");
-    assert_eq!(summary["jobs"], 200, "{summary:#}");
+    // 200 submissions; the workload's arrays make more jobs than submissions.
+    assert!(summary["jobs"].as_u64() > Some(200), "{summary:#}");
     assert!(
         summary["operations"]["submits_acknowledged"].as_u64() >= Some(200),
         "{summary:#}"

@@ -11,7 +11,8 @@ use crate::client::{Client, with_timeout};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct LogsArgs {
-    pub job: u64,
+    /// The job (`41`, or `41_7` for index 7 of array 41).
+    pub job: super::slurm_syntax::JobRef,
     /// Only the last N bytes of each stream.
     #[arg(long, default_value_t = 0)]
     pub tail: u64,
@@ -32,8 +33,9 @@ pub struct LogsArgs {
 const FOLLOW_EVERY: Duration = Duration::from_millis(500);
 
 pub async fn run(client: &mut Client, args: LogsArgs) -> anyhow::Result<()> {
+    let job = super::job_control::resolve_one(client, args.job).await?;
     let mut request = pb::ReadJobLogsRequest {
-        job_id: args.job,
+        job_id: job,
         tail_bytes: args.tail,
         task: Some(args.task),
         attempt: args.attempt,
@@ -61,7 +63,7 @@ pub async fn run(client: &mut Client, args: LogsArgs) -> anyhow::Result<()> {
         if args.follow && !announced && resp.attempts > 1 {
             eprintln!(
                 "gpuctl: job {} attempt {} of {} on {}",
-                args.job, resp.attempt, resp.attempts, resp.node
+                job, resp.attempt, resp.attempts, resp.node
             );
         }
         announced = true;

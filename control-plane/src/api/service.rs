@@ -567,7 +567,14 @@ impl ControlPlane for ControlPlaneService {
                     if let Some(t) = job_tenant(&data.cluster, req.id) {
                         caller.require_tenant(t, "change jobs")?;
                     }
-                    let targets = job_targets(&data.cluster, req.id, req.only_this_job);
+                    let mut targets = job_targets(&data.cluster, req.id, req.only_this_job);
+                    // Of a whole array, the jobs that already ended are no one's concern
+                    // unless they are to be queued again.
+                    if targets.len() > 1 && !matches!(change, JobChange::Requeue { .. }) {
+                        targets.retain(|id| {
+                            data.cluster.job(*id).is_some_and(|j| !j.state.is_final())
+                        });
+                    }
                     let (jobs, refused) = split_by_refusal(&data.cluster, &targets, &change);
                     if jobs.is_empty() {
                         let first = targets
@@ -575,6 +582,11 @@ impl ControlPlane for ControlPlaneService {
                             .and_then(|&id| data.cluster.change_refusal(id, &change));
                         return Err(match (targets.len(), first) {
                             (1, Some(refusal)) => refusal.into(),
+                            (0, _) => Rejection::precondition(format!(
+                                "every job of array {} has already ended",
+                                req.id
+                            ))
+                            .into(),
                             _ => Rejection::precondition(format!(
                                 "no job of array {} can be changed: {}",
                                 req.id,

@@ -241,8 +241,10 @@ pub async fn change(
                 }));
                 if fmt.is_table() {
                     match resp.changed.as_slice() {
-                        [_] => println!("job {job} {verb}"),
-                        many => println!("{} jobs of array {job} {verb}", many.len()),
+                        [one] if job.array_index.is_some() || *one == job.id => {
+                            println!("job {job} {verb}")
+                        }
+                        many => println!("array {job}: {} job(s) {verb}", many.len()),
                     }
                     for r in &resp.refused {
                         println!(

@@ -150,7 +150,11 @@ pub fn explain(
         return String::new();
     }
     if job.held {
-        return format!("JobHeldUser: held; `gpuctl release {}` lets it run", job.id);
+        let name = match job.array_task {
+            Some(t) => format!("{}_{}", t.array_id, t.index),
+            None => job.id.to_string(),
+        };
+        return format!("JobHeldUser: held; `gpuctl release {name}` lets it run");
     }
     if let Some(begin) = job.spec.begin_at
         && begin > now

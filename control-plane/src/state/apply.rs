@@ -637,6 +637,12 @@ impl ClusterState {
         if u.is_empty() {
             return Err(Rejection::invalid("update", "changes nothing"));
         }
+        if job.state.is_final() {
+            return Err(Rejection::precondition(format!(
+                "job {} already ended ({}): nothing to update",
+                job.id, job.state
+            )));
+        }
         if job.state != JobState::Pending && !u.only_running_fields() {
             return Err(Rejection::precondition(format!(
                 "job {} is {}: only a pending job's request changes (a running job's name \

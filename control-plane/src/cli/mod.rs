@@ -28,6 +28,7 @@ mod manifest;
 mod node;
 pub mod output;
 pub mod parse;
+pub mod progress;
 pub mod replay;
 mod simulate;
 mod submit;

@@ -25,56 +25,45 @@ impl Format {
     }
 }
 
-/// Left-aligned columns separated by two spaces, like `squeue` and `kubectl get`.
+/// Left-aligned columns separated by two spaces, like `squeue` and `kubectl get`: no borders,
+/// no lines, no trailing blanks; widths are display widths (`comfy-table`), so wide
+/// characters in a name keep the columns straight.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(headers.iter().copied());
     for row in rows {
-        for (i, cell) in row.iter().enumerate() {
-            if i < widths.len() {
-                widths[i] = widths[i].max(cell.chars().count());
-            }
-        }
+        t.add_row(row.iter().take(headers.len()));
+    }
+    let last = headers.len().saturating_sub(1);
+    for (i, column) in t.column_iter_mut().enumerate() {
+        column.set_padding((0, if i == last { 0 } else { 2 }));
     }
     let mut out = String::new();
-    let mut line = |cells: Vec<&str>| {
-        let mut l = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                l.push_str(c);
-            } else {
-                l.push_str(&format!("{c:<w$}  ", w = widths[i]));
-            }
-        }
-        out.push_str(l.trim_end());
+    for line in t.lines() {
+        out.push_str(line.trim_end());
         out.push('\n');
-    };
-    line(headers.to_vec());
-    for row in rows {
-        line(row.iter().map(String::as_str).collect());
     }
     out
 }
 
 /// UTC time of a millisecond timestamp, as `2026-12-02 15:52:18`.
 pub fn format_time(at_ms: u64) -> String {
-    let secs = at_ms / 1000;
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
-    )
+    let at = i128::from(at_ms) * 1_000_000;
+    match time::OffsetDateTime::from_unix_timestamp_nanos(at) {
+        Ok(t) => format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        ),
+        // Beyond the year 9999: not a time anyone set on purpose.
+        Err(_) => format!("{at_ms} ms after the epoch"),
+    }
 }
 
 pub fn format_duration(secs: u64) -> String {
@@ -772,9 +761,27 @@ mod tests {
     }
 
     #[test]
+    fn tables_are_plain_and_width_aware() {
+        let t = table(
+            &["ID", "NAME", "STATE"],
+            &[
+                vec!["1".into(), "日本語".into(), "RUNNING".into()],
+                vec!["22".into(), "".into(), "".into()],
+            ],
+        );
+        assert_eq!(t, "ID  NAME    STATE\n1   日本語  RUNNING\n22\n");
+        assert_eq!(table(&["A"], &[]), "A\n");
+    }
+
+    #[test]
     fn times_print_in_utc() {
         assert_eq!(format_time(0), "1970-01-01 00:00:00");
         assert_eq!(format_time(1_796_226_738_000), "2026-12-02 15:52:18");
+        assert_eq!(format_time(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(
+            format_time(u64::MAX),
+            "18446744073709551615 ms after the epoch"
+        );
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub const TARGET: Target = Target {
     run,
 };
 
-/// The traces' headers and first lines (`shared/traces/*.csv`), and variations the parsers
+/// The traces' headers and first lines (`tests/traces/*.csv`), and variations the parsers
 /// accept (quotes, CRLF, a byte-order mark, extra columns, shares and model lists).
 fn seeds() -> Vec<Vec<u8>> {
     let nodes = "sn,cpu_milli,memory_mib,gpu,model\n\
@@ -60,6 +60,7 @@ fn error_feature(features: &mut Features, which: &str, e: &TraceError) {
         TraceError::MissingColumn { column, .. } => format!("missing {column}"),
         TraceError::Field { field, reason, .. } => format!("{field}: {}", shape(reason, 6)),
         TraceError::NoRows { .. } => "no rows".to_owned(),
+        TraceError::Syntax { reason, .. } => format!("syntax: {}", shape(reason, 6)),
     };
     features.add((which, what));
 }

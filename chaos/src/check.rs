@@ -1,4 +1,4 @@
-//! The checker: reads a history and reports, for each invariant of `shared/DESIGN.md`, the
+//! The checker: reads a history and reports, for each invariant of `docs/ARCHITECTURE.md`, the
 //! evidence of every violation it finds. Pure: no I/O, no clock, so it is tested with histories
 //! built by hand (below) and re-runs identically on a saved history (`chaos check`).
 

@@ -340,6 +340,19 @@ mod tests {
         assert_eq!(pods[3].demand().total_gpu_milli(), 8000);
     }
 
+    /// The copy of the public trace in `tests/traces/` (what README.md's commands use).
+    #[test]
+    fn the_public_trace_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/traces");
+        let nodes = load_nodes(&dir.join("openb_node_list_gpu_node.csv")).unwrap();
+        let pods = load_pods(&dir.join("openb_pod_list_default.csv")).unwrap();
+        assert_eq!(nodes.len(), 1213);
+        assert_eq!(nodes.iter().map(|n| u64::from(n.gpus)).sum::<u64>(), 6212);
+        assert_eq!(pods.len(), 8152);
+        assert!(pods.iter().any(|p| p.demand().is_share()));
+        assert_eq!(unknown_models(&nodes, &pods), vec![]);
+    }
+
     #[test]
     fn columns_are_found_by_name() {
         let pods = parse_pods(

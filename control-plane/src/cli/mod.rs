@@ -21,6 +21,7 @@ mod bench_slurm;
 mod bench_submit;
 mod bench_submit_closed;
 mod certs;
+pub mod columns;
 mod dev;
 mod kube;
 mod logs;
@@ -142,6 +143,10 @@ pub enum Command {
     Nodes {
         #[arg(long)]
         stale: bool,
+        /// Columns of the table, `sinfo -N`-style: `--format "%N %t %G %c %m"`, or by name:
+        /// `--format node,state,gres,numa`. `--format help` lists every column (tables only).
+        #[arg(long, value_name = "SPEC")]
+        format: Option<String>,
     },
     /// Drain, undrain, uncordon GPUs, inject faults on simulated hosts.
     Node {
@@ -221,6 +226,10 @@ pub struct QueueArgs {
     pub partition: String,
     #[arg(long)]
     pub stale: bool,
+    /// Columns of the table, squeue-style: `--format "%i %j %u %T %M %R"`, or by name:
+    /// `--format id,name,state,time`. `--format help` lists every column (tables only).
+    #[arg(long, value_name = "SPEC")]
+    pub format: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -260,6 +269,13 @@ pub enum ClusterCommand {
 
 #[derive(Subcommand)]
 pub enum NodeCommand {
+    /// One node in detail: each GPU's NUMA node, PCI bus, health, holder, shares and MIG
+    /// slices, and the GPU link matrix as `nvidia-smi topo -m` prints it.
+    Show {
+        node: String,
+        #[arg(long)]
+        stale: bool,
+    },
     /// No new work on the node; with --evict, running work is stopped and requeued elsewhere.
     Drain {
         node: String,
@@ -452,6 +468,15 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Describe(args) => kube::describe(&mut client, args, fmt).await?,
         Command::Delete(args) => kube::delete(&mut client, args, fmt).await?,
         Command::Queue(q) => {
+            // A bad spec is refused before anything is asked of the cluster.
+            let columns = match q.format.as_deref() {
+                Some("help") => {
+                    print!("{}", columns::JOBS.help());
+                    return Ok(());
+                }
+                Some(spec) => Some(columns::JOBS.parse(spec).map_err(anyhow::Error::msg)?),
+                None => None,
+            };
             let req = pb::ListJobsRequest {
                 states: q.states,
                 tenant: q.tenant,
@@ -469,9 +494,17 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 Format::Json | Format::Yaml => print_json(
                     json!({"jobs": resp.jobs.iter().map(output::job_json).collect::<Vec<_>>()}),
                 ),
-                Format::Table | Format::Wide => {
-                    print!("{}", output::jobs_table(&resp.jobs, now_ms()))
-                }
+                Format::Table | Format::Wide => match columns {
+                    Some(columns) => print!(
+                        "{}",
+                        columns::JOBS.render(
+                            &columns,
+                            &resp.jobs,
+                            &columns::JobContext { now_ms: now_ms() }
+                        )
+                    ),
+                    None => print!("{}", output::jobs_table(&resp.jobs, now_ms())),
+                },
             }
         }
         Command::Why { job } => why::run(&mut client, job, fmt).await?,
@@ -531,7 +564,15 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Watch { tenant, initial } => watch(&mut client, tenant, initial, fmt).await?,
-        Command::Nodes { stale } => {
+        Command::Nodes { stale, format } => {
+            let columns = match format.as_deref() {
+                Some("help") => {
+                    print!("{}", columns::NODES.help());
+                    return Ok(());
+                }
+                Some(spec) => Some(columns::NODES.parse(spec).map_err(anyhow::Error::msg)?),
+                None => None,
+            };
             let resp = client
                 .call(|mut c, t| async move {
                     c.list_nodes(with_timeout(pb::ListNodesRequest { read: read(stale) }, t))
@@ -543,9 +584,19 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                     "nodes": resp.nodes.iter().map(|n| output::node_json_with_skew(n, &resp.release)).collect::<Vec<_>>(),
                     "control_plane_release": resp.release,
                 })),
-                Format::Table | Format::Wide => {
-                    print!("{}", output::nodes_table(&resp.nodes, Some(&resp.release)))
-                }
+                Format::Table | Format::Wide => match columns {
+                    Some(columns) => print!(
+                        "{}",
+                        columns::NODES.render(
+                            &columns,
+                            &resp.nodes,
+                            &columns::NodeContext {
+                                control_plane_release: Some(resp.release.clone()),
+                            }
+                        )
+                    ),
+                    None => print!("{}", output::nodes_table(&resp.nodes, Some(&resp.release))),
+                },
             }
         }
         Command::Cluster { command } => cluster(&mut client, command, fmt).await?,

@@ -61,7 +61,10 @@ pub async fn run(client: &mut Client, args: LogsArgs) -> anyhow::Result<()> {
         if args.follow && !announced && resp.attempts > 1 {
             eprintln!(
                 "gpuctl: job {} attempt {} of {} on {}",
-                args.job, resp.attempt, resp.attempts, resp.node
+                args.job,
+                resp.attempt,
+                resp.attempts,
+                super::output::printable(&resp.node)
             );
         }
         announced = true;

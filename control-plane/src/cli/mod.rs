@@ -847,7 +847,7 @@ async fn tenant(client: &mut Client, command: TenantCommand, fmt: Format) -> any
                 .iter()
                 .map(|t| {
                     vec![
-                        t.name.clone(),
+                        output::printable(&t.name),
                         t.weight.to_string(),
                         t.quota_gpus.to_string(),
                         if t.max_gpus == 0 {
@@ -901,7 +901,12 @@ async fn partition(
         Format::Table | Format::Wide => {
             let rows: Vec<Vec<String>> = partitions
                 .iter()
-                .map(|p| vec![p.name.clone(), p.description.clone()])
+                .map(|p| {
+                    vec![
+                        output::printable(&p.name),
+                        output::printable(&p.description),
+                    ]
+                })
                 .collect();
             print!("{}", output::table(&["PARTITION", "DESCRIPTION"], &rows));
         }

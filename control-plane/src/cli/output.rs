@@ -974,6 +974,55 @@ mod tests {
         );
     }
 
+    /// A hostile name or reason (newlines, terminal escapes) can neither add a row nor reach
+    /// the terminal raw, in the queue, in `show` or in `node show`.
+    #[test]
+    fn user_strings_cannot_forge_rows() {
+        let evil = "x\n99  alice  f  RUNNING\u{1b}[2J";
+        let j = pb::Job {
+            id: 1,
+            state: "pending".into(),
+            pending_reason: evil.into(),
+            spec: Some(pb::JobSpec {
+                tenant: "t".into(),
+                name: evil.into(),
+                command: vec![evil.into()],
+                workdir: evil.into(),
+                stdout_path: evil.into(),
+                gpu_models: vec![evil.into()],
+                ..Default::default()
+            }),
+            history: vec![pb::StateChange {
+                reason: evil.into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let queue = jobs_table(std::slice::from_ref(&j), 0);
+        assert_eq!(queue.lines().count(), 2, "{queue}");
+        let show = job_details(&j);
+        assert!(!show.contains('\u{1b}') && !show.contains("\n99"), "{show}");
+        let n = pb::Node {
+            name: evil.into(),
+            labels: [(String::from("k"), evil.to_owned())].into(),
+            topology: vec![evil.into()],
+            gpus: vec![pb::Gpu {
+                model: evil.into(),
+                health: "unhealthy".into(),
+                health_reason: evil.into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let nodes = nodes_table(std::slice::from_ref(&n), None);
+        assert_eq!(nodes.lines().count(), 2, "{nodes}");
+        let details = node_details(&n, "0.2.0");
+        assert!(
+            !details.contains('\u{1b}') && !details.contains("\n99"),
+            "{details}"
+        );
+    }
+
     #[test]
     fn durations_read_like_slurm() {
         assert_eq!(format_duration(86_400 + 3661), "1-01:01:01");

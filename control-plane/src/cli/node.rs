@@ -99,12 +99,9 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
 async fn show(client: &mut Client, name: &str, stale: bool, fmt: Format) -> anyhow::Result<()> {
     let read = Some(pb::ReadOptions { stale });
     let resp = client
-        .call(|mut c, t| {
-            let read = read.clone();
-            async move {
-                c.list_nodes(with_timeout(pb::ListNodesRequest { read }, t))
-                    .await
-            }
+        .call(|mut c, t| async move {
+            c.list_nodes(with_timeout(pb::ListNodesRequest { read }, t))
+                .await
         })
         .await?;
     let Some(node) = resp.nodes.iter().find(|n| n.name == name) else {

@@ -901,6 +901,40 @@ mod tests {
         NODES.named(DEFAULT_NODE_COLUMNS);
     }
 
+    /// docs/MIGRATING.md lists every letter, so the doc cannot fall behind the registry.
+    #[test]
+    fn the_migration_guide_lists_every_letter() {
+        let doc = include_str!("../../../docs/MIGRATING.md");
+        let row = doc
+            .lines()
+            .find(|l| l.contains("mapped: `--format`"))
+            .expect("the --format row");
+        let (jobs, nodes) = row.split_once("for jobs").expect("jobs, then nodes");
+        let listed = |text: &str, letters: Vec<char>| {
+            for l in letters {
+                assert!(
+                    text.contains(&format!("%{l} ")) || text.contains(&format!("%{l}`")),
+                    "%{l} missing: {row}"
+                );
+            }
+        };
+        listed(
+            jobs,
+            JOBS.columns
+                .iter()
+                .flat_map(|c| c.letters.iter().copied())
+                .collect(),
+        );
+        listed(
+            nodes,
+            NODES
+                .columns
+                .iter()
+                .flat_map(|c| c.letters.iter().copied())
+                .collect(),
+        );
+    }
+
     #[test]
     fn job_values() {
         let ctx = JobContext {

@@ -658,7 +658,7 @@ async fn watch(
                                 ev.log_index,
                                 job.id,
                                 job.state.to_uppercase(),
-                                reason
+                                output::printable(reason)
                             );
                         }
                     }

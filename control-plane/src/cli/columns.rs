@@ -183,6 +183,23 @@ impl<T, C> Registry<T, C> {
     }
 }
 
+/// `gpuctl queue --format`'s value parser: a spec is checked as gpuctl starts, before any
+/// connection ("help" lists the columns).
+pub fn job_format(spec: &str) -> Result<String, String> {
+    if spec != "help" {
+        JOBS.parse(spec)?;
+    }
+    Ok(spec.to_owned())
+}
+
+/// `gpuctl nodes --format`'s value parser.
+pub fn node_format(spec: &str) -> Result<String, String> {
+    if spec != "help" {
+        NODES.parse(spec)?;
+    }
+    Ok(spec.to_owned())
+}
+
 /// What job columns need besides the job.
 pub struct JobContext {
     pub now_ms: u64,

@@ -145,7 +145,7 @@ pub enum Command {
         stale: bool,
         /// Columns of the table, `sinfo -N`-style: `--format "%N %t %G %c %m"`, or by name:
         /// `--format node,state,gres,numa`. `--format help` lists every column (tables only).
-        #[arg(long, value_name = "SPEC")]
+        #[arg(long, value_name = "SPEC", value_parser = columns::node_format)]
         format: Option<String>,
     },
     /// Drain, undrain, uncordon GPUs, inject faults on simulated hosts.
@@ -228,7 +228,7 @@ pub struct QueueArgs {
     pub stale: bool,
     /// Columns of the table, squeue-style: `--format "%i %j %u %T %M %R"`, or by name:
     /// `--format id,name,state,time`. `--format help` lists every column (tables only).
-    #[arg(long, value_name = "SPEC")]
+    #[arg(long, value_name = "SPEC", value_parser = columns::job_format)]
     pub format: Option<String>,
 }
 
@@ -429,6 +429,21 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Cluster {
             command: ClusterCommand::Snapshot { command },
         } if backup::is_offline(&command) => return backup::run_offline(command, cli.output),
+        // The column lists need no cluster.
+        Command::Queue(QueueArgs {
+            format: Some(ref f),
+            ..
+        }) if f == "help" => {
+            print!("{}", columns::JOBS.help());
+            return Ok(());
+        }
+        Command::Nodes {
+            format: Some(ref f),
+            ..
+        } if f == "help" => {
+            print!("{}", columns::NODES.help());
+            return Ok(());
+        }
         _ => {}
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -468,12 +483,8 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Describe(args) => kube::describe(&mut client, args, fmt).await?,
         Command::Delete(args) => kube::delete(&mut client, args, fmt).await?,
         Command::Queue(q) => {
-            // A bad spec is refused before anything is asked of the cluster.
+            // Checked by clap already (`columns::job_format`); parsed again for the columns.
             let columns = match q.format.as_deref() {
-                Some("help") => {
-                    print!("{}", columns::JOBS.help());
-                    return Ok(());
-                }
                 Some(spec) => Some(columns::JOBS.parse(spec).map_err(anyhow::Error::msg)?),
                 None => None,
             };
@@ -566,10 +577,6 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Watch { tenant, initial } => watch(&mut client, tenant, initial, fmt).await?,
         Command::Nodes { stale, format } => {
             let columns = match format.as_deref() {
-                Some("help") => {
-                    print!("{}", columns::NODES.help());
-                    return Ok(());
-                }
                 Some(spec) => Some(columns::NODES.parse(spec).map_err(anyhow::Error::msg)?),
                 None => None,
             };

@@ -130,7 +130,7 @@ async fn formats_node_details_and_json_carry_every_field() {
         2,
         "two GPUs held: {out}"
     );
-    let (ok, out, err) = gpuctl(&c, &["node", "show", "n2"]);
+    let (ok, out, err) = gpuctl(&c, &["nodes", "n2"]);
     assert!(ok, "{err}");
     assert!(
         out.contains("1g.10gb@"),

@@ -141,11 +141,18 @@ pub enum Command {
     /// List GPU nodes.
     #[command(alias = "sinfo")]
     Nodes {
+        /// One node in detail instead (as `gpuctl node show NODE`).
+        node: Option<String>,
         #[arg(long)]
         stale: bool,
         /// Columns of the table, `sinfo -N`-style: `--format "%N %t %G %c %m"`, or by name:
         /// `--format node,state,gres,numa`. `--format help` lists every column (tables only).
-        #[arg(long, value_name = "SPEC", value_parser = columns::node_format)]
+        #[arg(
+            long,
+            value_name = "SPEC",
+            value_parser = columns::node_format,
+            conflicts_with = "node"
+        )]
         format: Option<String>,
     },
     /// Drain, undrain, uncordon GPUs, inject faults on simulated hosts.
@@ -575,7 +582,16 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Watch { tenant, initial } => watch(&mut client, tenant, initial, fmt).await?,
-        Command::Nodes { stale, format } => {
+        Command::Nodes {
+            node: Some(node),
+            stale,
+            ..
+        } => node::show(&mut client, &node, stale, fmt).await?,
+        Command::Nodes {
+            node: None,
+            stale,
+            format,
+        } => {
             let columns = match format.as_deref() {
                 Some(spec) => Some(columns::NODES.parse(spec).map_err(anyhow::Error::msg)?),
                 None => None,

@@ -96,7 +96,8 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
     Ok(())
 }
 
-async fn show(client: &mut Client, name: &str, stale: bool, fmt: Format) -> anyhow::Result<()> {
+/// `gpuctl node show NODE` and `gpuctl nodes NODE`.
+pub async fn show(client: &mut Client, name: &str, stale: bool, fmt: Format) -> anyhow::Result<()> {
     let read = Some(pb::ReadOptions { stale });
     let resp = client
         .call(|mut c, t| async move {

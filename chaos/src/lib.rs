@@ -1,6 +1,6 @@
 //! Chaos harness for gpu-control-plane: real `control-plane` replicas and node agents on
 //! loopback, a workload, faults on a schedule (kills, pauses, partitions, wipes, rolling
-//! restarts), a recorded history and a checker of the invariants of `shared/DESIGN.md`.
+//! restarts), a recorded history and a checker of the invariants of `docs/ARCHITECTURE.md`.
 //! See `chaos/README.md`.
 
 pub mod check;

@@ -137,23 +137,15 @@ struct RunArgs {
     output: Output,
 }
 
+/// A duration as humantime writes it (`500ms`, `40s`, `10m`, `1h 30m`); a bare number is
+/// seconds.
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 500ms, 40s, 10m or 1h"))?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("unknown unit {unit:?} in {s:?}: use ms, s, m or h")),
-    };
-    Ok(Duration::from_secs_f64(secs))
+    if let Ok(secs) = s.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 500ms, 40s, 10m or 1h: {e}"))
 }
 
 fn main() -> ExitCode {
@@ -291,4 +283,19 @@ fn install_interrupt_handler(stop: Arc<AtomicBool>) {
             std::process::exit(130);
         });
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("40").unwrap(), Duration::from_secs(40));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("1h 30m").unwrap(), Duration::from_secs(5400));
+        for bad in ["", "x", "-5s", "10 parsecs", &"9".repeat(400)] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
 }

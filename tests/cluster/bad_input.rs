@@ -153,6 +153,13 @@ async fn invalid_requests_are_refused_naming_the_field_and_write_nothing() {
     .await
     .unwrap_err();
     assert!(err.message().starts_with("partition"), "{err:?}");
+    // No tenant at all: the error says which flag names one, and the tenants there are.
+    let (ok, _, err) = gpuctl(&c, &["submit", "--", "x"]);
+    assert!(!ok);
+    assert!(
+        err.contains("names no tenant") && err.contains("--tenant NAME") && err.contains("team-a"),
+        "{err}"
+    );
 
     step("gpuctl reports a bad time limit before sending anything");
     let (ok, _, err) = gpuctl(&c, &["submit", "--time", "soon", "--", "x"]);

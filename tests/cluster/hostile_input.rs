@@ -887,11 +887,16 @@ async fn refused_commands_change_no_state() {
     let c = start(3, &[]).await;
     let mut admin = c.client().unwrap();
     let job = submit(&mut admin, spec("j", 1), "").await.unwrap().id;
+    let ended = submit(&mut admin, spec("ended", 1), "").await.unwrap().id;
+    cancel(&mut admin, ended).await.unwrap();
     let before = leader_status(&c).await;
     let jobs_before = list_jobs(&mut admin, false).await;
-    let cases: [(&[&str], &str); 5] = [
+    let ended_arg = ended.to_string();
+    let ended_words = format!("job {ended} already ended (cancelled)");
+    let cases: [(&[&str], &str); 6] = [
         (&["cancel", "0"], "job 0 does not exist"),
         (&["cancel", "999"], "job 999 does not exist"),
+        (&["cancel", &ended_arg], &ended_words),
         (
             &["node", "drain", "nosuchnode"],
             "node \"nosuchnode\" does not exist (NotFound)",

@@ -8,6 +8,7 @@ mod agents;
 mod backup;
 mod bad_input;
 mod basic;
+mod cli_output;
 mod containers;
 mod enforcement;
 mod failover;

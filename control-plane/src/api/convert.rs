@@ -271,6 +271,7 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             code: e.code,
             signal: e.signal,
         }),
+        attempts: job.attempts.len() as u32,
     }
 }
 
@@ -326,6 +327,7 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
         held: false,
         array_task: None,
         exit: None,
+        attempts: 0,
     }
 }
 
@@ -351,6 +353,27 @@ pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
                     health: health.to_owned(),
                     health_reason: reason,
                     allocation: cluster.gpu_holder.get(&g.uuid).copied().unwrap_or(0),
+                    shared_milli: cluster.shared_milli(&g.uuid),
+                    shared_memory_mib: cluster
+                        .index
+                        .gpu_shares
+                        .get(&g.uuid)
+                        .map_or(0, |s| s.memory_mib),
+                    share_allocations: cluster
+                        .index
+                        .gpu_shares
+                        .get(&g.uuid)
+                        .map_or(vec![], |s| s.allocations.iter().copied().collect()),
+                    mig: g
+                        .mig
+                        .iter()
+                        .map(|m| pb::MigSlice {
+                            uuid: m.uuid.clone(),
+                            profile: m.profile.clone(),
+                            memory_mib: m.memory_mib,
+                            allocation: cluster.gpu_holder.get(&m.uuid).copied().unwrap_or(0),
+                        })
+                        .collect(),
                 }
             })
             .collect(),

@@ -411,6 +411,7 @@ impl ControlPlane for ControlPlaneService {
                 current_leader_state(r).await?;
                 let mut spec = convert::job_spec_from_proto(req.spec)?;
                 // No tenant given: a user's own, or `default`.
+                let tenant_defaulted = spec.tenant.is_empty() && caller.tenant_scope().is_none();
                 if spec.tenant.is_empty() {
                     spec.tenant = caller.tenant_scope().unwrap_or("default").to_owned();
                 }
@@ -437,6 +438,9 @@ impl ControlPlane for ControlPlaneService {
                         .as_deref()
                         .and_then(|k| data.cluster.job_for_key(&spec.tenant, k));
                     if known.is_none() {
+                        if tenant_defaulted {
+                            defaulted_tenant_refusal(&data.cluster)?;
+                        }
                         data.cluster.check_submission(&spec)?;
                         // A job no node could ever hold is refused with the reason, unless
                         // held (`hold_if_unfit`); checked here only, see `admission_refusal`.
@@ -1395,6 +1399,23 @@ impl ControlPlane for ControlPlaneService {
             security_enforced: r.security.enforced,
         }))
     }
+}
+
+/// A job that names no tenant is charged to `default`; once tenants exist and `default` is
+/// not one, say how to name one rather than only that `default` is unknown.
+fn defaulted_tenant_refusal(cluster: &ClusterState) -> Result<(), Rejection> {
+    if cluster.tenants.is_empty() || cluster.tenants.contains_key("default") {
+        return Ok(());
+    }
+    let known: Vec<&str> = cluster.tenants.keys().map(String::as_str).collect();
+    Err(Rejection::invalid(
+        "tenant",
+        format!(
+            "the job names no tenant and this cluster has tenants: give one with --tenant NAME \
+             (-A; #SBATCH --account in a script; metadata.namespace in a manifest), one of: {}",
+            known.join(", ")
+        ),
+    ))
 }
 
 /// Applies a node command and returns the node as it is afterwards. A command naming a node

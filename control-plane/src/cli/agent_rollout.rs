@@ -222,6 +222,7 @@ pub async fn run(client: &mut Client, args: RestartAgentArgs, fmt: Format) -> an
         args.nodes.clone()
     };
     let table = fmt.is_table();
+    let bar = super::progress::bar(nodes.len() as u64, "agents", fmt);
     let report = rollout(
         client,
         &nodes,
@@ -230,11 +231,13 @@ pub async fn run(client: &mut Client, args: RestartAgentArgs, fmt: Format) -> an
         args.check,
         |r| {
             if table {
-                print!("{}", progress_line(r));
+                bar.suspend(|| print!("{}", progress_line(r)));
             }
+            bar.inc(1);
         },
     )
     .await;
+    bar.finish_and_clear();
     match fmt {
         Format::Json | Format::Yaml => println!("{}", report_json(&report)),
         Format::Table | Format::Wide => print!("{}", summary(&report, args.check)),

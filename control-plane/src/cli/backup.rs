@@ -61,13 +61,17 @@ pub fn run_offline(command: SnapshotCommand, fmt: Format) -> anyhow::Result<()> 
             members,
         } => {
             let members = crate::config::parse_members(&members, "--members")?;
+            let spinner = super::progress::spinner("restoring", fmt);
+            spinner.set_message(file.display().to_string());
             let restored = restore(&RestoreRequest {
                 backup: &file,
                 data_dir: &data_dir,
                 replica_id: id,
                 cluster: &cluster,
                 members: &members,
-            })?;
+            });
+            spinner.finish_and_clear();
+            let restored = restored?;
             let h = &restored.header;
             match fmt {
                 Format::Json | Format::Yaml => print_json(json!({
@@ -132,6 +136,14 @@ pub async fn save(client: &mut Client, file: &Path, fmt: Format) -> anyhow::Resu
     let header = BackupHeader::from_info(&info).map_err(anyhow::Error::msg)?;
     let mut writer = BackupWriter::create(file, header.clone())
         .with_context(|| format!("creating a temporary file beside {}", file.display()))?;
+    let bar = super::progress::bar(header.state_bytes, "receiving", fmt);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{prefix} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, about {eta} left)",
+        )
+        .expect("the template is valid")
+        .progress_chars("=> "),
+    );
     while let Some(msg) = stream.message().await.with_context(|| {
         format!(
             "the backup stream broke; nothing was written to {}; run it again",
@@ -139,12 +151,16 @@ pub async fn save(client: &mut Client, file: &Path, fmt: Format) -> anyhow::Resu
         )
     })? {
         match msg.part {
-            Some(pb::snapshot_chunk::Part::Data(bytes)) => writer
-                .write_state(&bytes)
-                .with_context(|| format!("writing beside {}", file.display()))?,
+            Some(pb::snapshot_chunk::Part::Data(bytes)) => {
+                writer
+                    .write_state(&bytes)
+                    .with_context(|| format!("writing beside {}", file.display()))?;
+                bar.inc(bytes.len() as u64);
+            }
             _ => anyhow::bail!("the replica sent a second description inside the backup"),
         }
     }
+    bar.finish_and_clear();
     let path = writer
         .finish()
         .with_context(|| format!("the backup was not saved to {}", file.display()))?;

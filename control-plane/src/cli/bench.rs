@@ -357,6 +357,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         &[false]
     };
     let mut reports = Vec::new();
+    let bar = super::progress::bar((modes.len() * exporter.len()) as u64, "variants", fmt);
     for &mode in &modes {
         for &metrics in exporter {
             let name = match (metrics_compare, metrics) {
@@ -371,10 +372,13 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             } else {
                 dir.join(&name)
             };
+            bar.set_message(name.clone());
             let report = run_on_cluster(&command, &root, mode, metrics)?;
+            bar.inc(1);
             reports.push((name, report));
         }
     }
+    bar.finish_and_clear();
     let (text, json) = if reports.len() == 1 {
         let (mode, r) = reports.pop().expect("one report");
         let mut json = r.json;

@@ -25,18 +25,65 @@ pub struct DevArgs {
     pub no_metrics: bool,
     #[arg(long, default_value_t = 3)]
     pub replicas: u16,
-    /// Simulated GPU hosts to start, as presets (comma-separated; empty for none):
-    /// dgx-h100, dgx1-v100, a100-pcie-4gpu-nvlink-pairs, pcie-8gpu-2socket.
+    /// Simulated GPU hosts to start, as presets (comma-separated; empty for none); the
+    /// presets are listed from the agent's own table, so the help is never out of date.
     #[arg(
         long,
         default_value = "dgx-h100,pcie-8gpu-2socket",
-        value_delimiter = ','
+        value_delimiter = ',',
+        help = hosts_help(),
+        long_help = hosts_long_help()
     )]
     pub hosts: Vec<String>,
     /// No TLS and no authentication (anyone who reaches the ports is an admin). By default
     /// the cluster makes a CA and certificates under DATA_DIR/tls and requires them.
     #[arg(long)]
     pub insecure: bool,
+}
+
+/// `--hosts` in `-h`: the preset names.
+fn hosts_help() -> String {
+    let names: Vec<&str> = node_agent::gpu::simulated::PRESETS
+        .iter()
+        .map(|p| p.name)
+        .collect();
+    format!(
+        "Simulated GPU hosts to start, as presets (comma-separated; empty for none): {}",
+        names.join(", ")
+    )
+}
+
+/// `--hosts` in `--help`: each preset with its GPUs, CPUs and memory.
+fn hosts_long_help() -> String {
+    let mut help = String::from(
+        "Simulated GPU hosts to start, as presets (comma-separated; empty for none). Each is a \
+         link matrix from node-agent/topologies/ with the vendor's standard host:\n",
+    );
+    for p in node_agent::gpu::simulated::PRESETS {
+        let gpus = p
+            .topology_text
+            .lines()
+            .filter(|l| l.starts_with("GPU"))
+            .count();
+        let mig = if p.mig.is_empty() {
+            String::new()
+        } else {
+            let slices: Vec<String> = p
+                .mig
+                .iter()
+                .map(|(gpu, profiles)| format!("GPU{gpu}: {}", profiles.join(" + ")))
+                .collect();
+            format!(", MIG {}", slices.join("; "))
+        };
+        help.push_str(&format!(
+            "\n  {:<28} {gpus} x {}, {} CPUs, {} GiB{mig}",
+            p.name,
+            p.model,
+            p.cpu_milli / 1000,
+            p.host_memory_mib / 1024
+        ));
+    }
+    help
 }
 
 pub fn run(args: DevArgs) -> anyhow::Result<()> {
@@ -202,4 +249,36 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
     drop(cluster);
     println!("stopped.");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{Args, Command};
+
+    #[test]
+    fn help_lists_every_host_preset() {
+        let mut cmd = super::DevArgs::augment_args(Command::new("dev"));
+        let short = cmd.render_help().to_string();
+        let long = cmd.render_long_help().to_string();
+        for p in node_agent::gpu::simulated::PRESETS {
+            assert!(
+                short.contains(p.name),
+                "{} missing from -h:\n{short}",
+                p.name
+            );
+            assert!(
+                long.contains(p.name),
+                "{} missing from --help:\n{long}",
+                p.name
+            );
+        }
+        assert!(
+            long.contains("8 x NVIDIA H100 80GB HBM3, 224 CPUs, 2048 GiB"),
+            "{long}"
+        );
+        assert!(
+            long.contains("MIG GPU0: 3g.40gb + 2g.20gb + 1g.10gb + 1g.10gb"),
+            "{long}"
+        );
+    }
 }

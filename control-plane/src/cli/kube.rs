@@ -105,7 +105,11 @@ pub async fn apply(client: &mut Client, args: ApplyArgs, fmt: Format) -> anyhow:
                 json!({"name": m.metadata.name, "id": job.id, "created": false})
             ),
             Format::Table | Format::Wide => {
-                println!("gpujob/{} unchanged (job {})", m.metadata.name, job.id)
+                println!(
+                    "gpujob/{} unchanged (job {})",
+                    output::printable(&m.metadata.name),
+                    job.id
+                )
             }
         }
         return Ok(());
@@ -126,7 +130,11 @@ pub async fn apply(client: &mut Client, args: ApplyArgs, fmt: Format) -> anyhow:
             json!({"name": m.metadata.name, "id": resp.id, "created": true})
         ),
         Format::Table | Format::Wide => {
-            println!("gpujob/{} created (job {})", m.metadata.name, resp.id)
+            println!(
+                "gpujob/{} created (job {})",
+                output::printable(&m.metadata.name),
+                resp.id
+            )
         }
     }
     Ok(())
@@ -281,7 +289,12 @@ pub async fn delete(client: &mut Client, args: NamedArgs, fmt: Format) -> anyhow
         Format::Json | Format::Yaml => {
             println!("{}", json!({"name": args.name, "id": id, "deleted": true}))
         }
-        Format::Table | Format::Wide => println!("gpujob/{} deleted (job {id})", args.name),
+        Format::Table | Format::Wide => {
+            println!(
+                "gpujob/{} deleted (job {id})",
+                output::printable(&args.name)
+            )
+        }
     }
     Ok(())
 }

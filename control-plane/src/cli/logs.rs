@@ -63,7 +63,10 @@ pub async fn run(client: &mut Client, args: LogsArgs) -> anyhow::Result<()> {
         if args.follow && !announced && resp.attempts > 1 {
             eprintln!(
                 "gpuctl: job {} attempt {} of {} on {}",
-                job, resp.attempt, resp.attempts, resp.node
+                job,
+                resp.attempt,
+                resp.attempts,
+                super::output::printable(&resp.node)
             );
         }
         announced = true;

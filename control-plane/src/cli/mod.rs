@@ -21,6 +21,7 @@ mod bench_slurm;
 mod bench_submit;
 mod bench_submit_closed;
 mod certs;
+pub mod columns;
 mod dev;
 mod job_control;
 mod kube;
@@ -29,6 +30,7 @@ mod manifest;
 mod node;
 pub mod output;
 pub mod parse;
+pub mod progress;
 pub mod replay;
 mod simulate;
 pub mod slurm_syntax;
@@ -163,8 +165,19 @@ pub enum Command {
     /// List GPU nodes.
     #[command(alias = "sinfo")]
     Nodes {
+        /// One node in detail instead (as `gpuctl node show NODE`).
+        node: Option<String>,
         #[arg(long)]
         stale: bool,
+        /// Columns of the table, `sinfo -N`-style: `--format "%N %t %G %c %m"`, or by name:
+        /// `--format node,state,gres,numa`. `--format help` lists every column (tables only).
+        #[arg(
+            long,
+            value_name = "SPEC",
+            value_parser = columns::node_format,
+            conflicts_with = "node"
+        )]
+        format: Option<String>,
     },
     /// Drain, undrain, uncordon GPUs, inject faults on simulated hosts.
     Node {
@@ -247,6 +260,10 @@ pub struct QueueArgs {
     pub partition: String,
     #[arg(long)]
     pub stale: bool,
+    /// Columns of the table, squeue-style: `--format "%i %j %u %T %M %R"`, or by name:
+    /// `--format id,name,state,time`. `--format help` lists every column (tables only).
+    #[arg(long, value_name = "SPEC", value_parser = columns::job_format)]
+    pub format: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -286,6 +303,13 @@ pub enum ClusterCommand {
 
 #[derive(Subcommand)]
 pub enum NodeCommand {
+    /// One node in detail: each GPU's NUMA node, PCI bus, health, holder, shares and MIG
+    /// slices, and the GPU link matrix as `nvidia-smi topo -m` prints it.
+    Show {
+        node: String,
+        #[arg(long)]
+        stale: bool,
+    },
     /// No new work on the node; with --evict, running work is stopped and requeued elsewhere.
     Drain {
         node: String,
@@ -439,6 +463,21 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Cluster {
             command: ClusterCommand::Snapshot { command },
         } if backup::is_offline(&command) => return backup::run_offline(command, cli.output),
+        // The column lists need no cluster.
+        Command::Queue(QueueArgs {
+            format: Some(ref f),
+            ..
+        }) if f == "help" => {
+            print!("{}", columns::JOBS.help());
+            return Ok(());
+        }
+        Command::Nodes {
+            format: Some(ref f),
+            ..
+        } if f == "help" => {
+            print!("{}", columns::NODES.help());
+            return Ok(());
+        }
         _ => {}
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -478,6 +517,11 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Describe(args) => kube::describe(&mut client, args, fmt).await?,
         Command::Delete(args) => kube::delete(&mut client, args, fmt).await?,
         Command::Queue(q) => {
+            // Checked by clap already (`columns::job_format`); parsed again for the columns.
+            let columns = match q.format.as_deref() {
+                Some(spec) => Some(columns::JOBS.parse(spec).map_err(anyhow::Error::msg)?),
+                None => None,
+            };
             let req = pb::ListJobsRequest {
                 states: q.states,
                 tenant: q.tenant,
@@ -495,9 +539,17 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                 Format::Json | Format::Yaml => print_json(
                     json!({"jobs": resp.jobs.iter().map(output::job_json).collect::<Vec<_>>()}),
                 ),
-                Format::Table | Format::Wide => {
-                    print!("{}", output::jobs_table(&resp.jobs, now_ms()))
-                }
+                Format::Table | Format::Wide => match columns {
+                    Some(columns) => print!(
+                        "{}",
+                        columns::JOBS.render(
+                            &columns,
+                            &resp.jobs,
+                            &columns::JobContext { now_ms: now_ms() }
+                        )
+                    ),
+                    None => print!("{}", output::jobs_table(&resp.jobs, now_ms())),
+                },
             }
         }
         Command::Why { job } => {
@@ -543,7 +595,20 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
             job_control::cancel(&mut client, jobs, reason, fmt).await?
         }
         Command::Watch { tenant, initial } => watch(&mut client, tenant, initial, fmt).await?,
-        Command::Nodes { stale } => {
+        Command::Nodes {
+            node: Some(node),
+            stale,
+            ..
+        } => node::show(&mut client, &node, stale, fmt).await?,
+        Command::Nodes {
+            node: None,
+            stale,
+            format,
+        } => {
+            let columns = match format.as_deref() {
+                Some(spec) => Some(columns::NODES.parse(spec).map_err(anyhow::Error::msg)?),
+                None => None,
+            };
             let resp = client
                 .call(|mut c, t| async move {
                     c.list_nodes(with_timeout(pb::ListNodesRequest { read: read(stale) }, t))
@@ -555,9 +620,19 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
                     "nodes": resp.nodes.iter().map(|n| output::node_json_with_skew(n, &resp.release)).collect::<Vec<_>>(),
                     "control_plane_release": resp.release,
                 })),
-                Format::Table | Format::Wide => {
-                    print!("{}", output::nodes_table(&resp.nodes, Some(&resp.release)))
-                }
+                Format::Table | Format::Wide => match columns {
+                    Some(columns) => print!(
+                        "{}",
+                        columns::NODES.render(
+                            &columns,
+                            &resp.nodes,
+                            &columns::NodeContext {
+                                control_plane_release: Some(resp.release.clone()),
+                            }
+                        )
+                    ),
+                    None => print!("{}", output::nodes_table(&resp.nodes, Some(&resp.release))),
+                },
             }
         }
         Command::Cluster { command } => cluster(&mut client, command, fmt).await?,
@@ -620,7 +695,7 @@ async fn watch(
                                 ev.log_index,
                                 job.id,
                                 job.state.to_uppercase(),
-                                reason
+                                output::printable(reason)
                             );
                         }
                     }
@@ -809,7 +884,7 @@ async fn tenant(client: &mut Client, command: TenantCommand, fmt: Format) -> any
                 .iter()
                 .map(|t| {
                     vec![
-                        t.name.clone(),
+                        output::printable(&t.name),
                         t.weight.to_string(),
                         t.quota_gpus.to_string(),
                         if t.max_gpus == 0 {
@@ -863,7 +938,12 @@ async fn partition(
         Format::Table | Format::Wide => {
             let rows: Vec<Vec<String>> = partitions
                 .iter()
-                .map(|p| vec![p.name.clone(), p.description.clone()])
+                .map(|p| {
+                    vec![
+                        output::printable(&p.name),
+                        output::printable(&p.description),
+                    ]
+                })
                 .collect();
             print!("{}", output::table(&["PARTITION", "DESCRIPTION"], &rows));
         }

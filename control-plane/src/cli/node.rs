@@ -14,6 +14,7 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
         NodeCommand::RestartAgent(args) => {
             return super::agent_rollout::run(client, args, fmt).await;
         }
+        NodeCommand::Show { node, stale } => return show(client, &node, stale, fmt).await,
         NodeCommand::Drain {
             node,
             evict,
@@ -91,6 +92,40 @@ pub async fn run(client: &mut Client, command: NodeCommand, fmt: Format) -> anyh
         Format::Table | Format::Wide => {
             print!("{}", output::nodes_table(std::slice::from_ref(&node), None))
         }
+    }
+    Ok(())
+}
+
+/// `gpuctl node show NODE` and `gpuctl nodes NODE`.
+pub async fn show(client: &mut Client, name: &str, stale: bool, fmt: Format) -> anyhow::Result<()> {
+    let read = Some(pb::ReadOptions { stale });
+    let resp = client
+        .call(|mut c, t| async move {
+            c.list_nodes(with_timeout(pb::ListNodesRequest { read }, t))
+                .await
+        })
+        .await?;
+    let Some(node) = resp.nodes.iter().find(|n| n.name == name) else {
+        let known: Vec<String> = resp
+            .nodes
+            .iter()
+            .map(|n| output::printable(&n.name))
+            .collect();
+        anyhow::bail!(
+            "no node {:?} in the cluster (nodes: {})",
+            output::printable(name),
+            if known.is_empty() {
+                "none registered".to_owned()
+            } else {
+                known.join(", ")
+            }
+        );
+    };
+    match fmt {
+        Format::Json | Format::Yaml => {
+            println!("{}", output::node_json_with_skew(node, &resp.release))
+        }
+        Format::Table | Format::Wide => print!("{}", output::node_details(node, &resp.release)),
     }
     Ok(())
 }

@@ -25,56 +25,45 @@ impl Format {
     }
 }
 
-/// Left-aligned columns separated by two spaces, like `squeue` and `kubectl get`.
+/// Left-aligned columns separated by two spaces, like `squeue` and `kubectl get`: no borders,
+/// no lines, no trailing blanks; widths are display widths (`comfy-table`), so wide
+/// characters in a name keep the columns straight.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(headers.iter().copied());
     for row in rows {
-        for (i, cell) in row.iter().enumerate() {
-            if i < widths.len() {
-                widths[i] = widths[i].max(cell.chars().count());
-            }
-        }
+        t.add_row(row.iter().take(headers.len()));
+    }
+    let last = headers.len().saturating_sub(1);
+    for (i, column) in t.column_iter_mut().enumerate() {
+        column.set_padding((0, if i == last { 0 } else { 2 }));
     }
     let mut out = String::new();
-    let mut line = |cells: Vec<&str>| {
-        let mut l = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                l.push_str(c);
-            } else {
-                l.push_str(&format!("{c:<w$}  ", w = widths[i]));
-            }
-        }
-        out.push_str(l.trim_end());
+    for line in t.lines() {
+        out.push_str(line.trim_end());
         out.push('\n');
-    };
-    line(headers.to_vec());
-    for row in rows {
-        line(row.iter().map(String::as_str).collect());
     }
     out
 }
 
 /// UTC time of a millisecond timestamp, as `2026-12-02 15:52:18`.
 pub fn format_time(at_ms: u64) -> String {
-    let secs = at_ms / 1000;
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
-    )
+    let at = i128::from(at_ms) * 1_000_000;
+    match time::OffsetDateTime::from_unix_timestamp_nanos(at) {
+        Ok(t) => format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        ),
+        // Beyond the year 9999: not a time anyone set on purpose.
+        Err(_) => format!("{at_ms} ms after the epoch"),
+    }
 }
 
 pub fn format_duration(secs: u64) -> String {
@@ -110,9 +99,22 @@ fn dependency_json(d: &pb::Dependency) -> Value {
     json!({"kind": kind, "job": d.job_id})
 }
 
+/// JSON null for 0 (an unset number).
+fn non_zero(v: impl Into<u64>) -> Value {
+    match v.into() {
+        0 => Value::Null,
+        v => json!(v),
+    }
+}
+
+/// JSON null for "" (an unset string).
+fn non_empty(s: &str) -> Value {
+    if s.is_empty() { Value::Null } else { json!(s) }
+}
+
 pub fn job_json(j: &pb::Job) -> Value {
     let spec = j.spec.clone().unwrap_or_default();
-    json!({
+    let mut v = json!({
         "id": j.id,
         "tenant": spec.tenant,
         "name": spec.name,
@@ -128,7 +130,7 @@ pub fn job_json(j: &pb::Job) -> Value {
         "cpu_milli_per_task": spec.cpu_milli_per_task,
         "memory_mib_per_task": spec.memory_mib_per_task,
         "env": spec.env,
-        "workdir": if spec.workdir.is_empty() { Value::Null } else { json!(spec.workdir) },
+        "workdir": non_empty(&spec.workdir),
         "container": spec.container.as_ref().map(|c| json!({
             "image": c.image,
             "mounts": c.mounts.iter().map(|m| json!({
@@ -152,6 +154,8 @@ pub fn job_json(j: &pb::Job) -> Value {
         "history": j.history.iter().map(|h| json!({"at_ms": h.at_ms, "state": h.state, "reason": h.reason})).collect::<Vec<_>>(),
         "allocations": j.allocations.iter().map(|a| json!({
             "id": a.id, "node": a.node, "gpus": a.gpus, "term": a.term, "epoch": a.epoch, "created_at_ms": a.created_at_ms,
+            "gpu_milli": non_zero(a.gpu_milli),
+            "gpu_memory_mib": non_zero(a.gpu_memory_mib),
             "enforcement": a.enforcement,
         })).collect::<Vec<_>>(),
         "usage": j.usage.as_ref().map(|u| json!({
@@ -160,65 +164,32 @@ pub fn job_json(j: &pb::Job) -> Value {
             "gpu_sm_percent_avg": u.gpu_sm_percent_avg, "gpu_peak_memory_bytes": u.gpu_peak_memory_bytes,
             "gpu_samples": u.gpu_samples,
         })),
-    })
+    });
+    // Shares, MIG, placement constraints, output files, attempts (one json! holds so many).
+    let more = json!({
+        "gpu_milli": non_zero(spec.gpu_milli),
+        "gpu_memory_mib": non_zero(spec.gpu_memory_mib),
+        "mig_profile": non_empty(&spec.mig_profile),
+        "preemptible": spec.preemptible,
+        "single_numa": spec.single_numa,
+        "hold_if_unfit": spec.hold_if_unfit,
+        "stdout_path": non_empty(&spec.stdout_path),
+        "stderr_path": non_empty(&spec.stderr_path),
+        "attempts": j.attempts,
+    });
+    if let (Value::Object(v), Value::Object(more)) = (&mut v, more) {
+        v.extend(more);
+    }
+    v
 }
 
+/// The default `gpuctl queue` table (`columns::DEFAULT_JOB_COLUMNS`).
 pub fn jobs_table(jobs: &[pb::Job], now_ms: u64) -> String {
-    let rows: Vec<Vec<String>> = jobs
-        .iter()
-        .map(|j| {
-            let spec = j.spec.clone().unwrap_or_default();
-            let nodes: Vec<&str> = j.allocations.iter().map(|a| a.node.as_str()).collect();
-            // A pending job shows why it is pending (the leader's last pass), as squeue's
-            // NODELIST(REASON) does; others their last change.
-            let reason = if j.pending_reason.is_empty() {
-                j.history
-                    .last()
-                    .map(|h| h.reason.clone())
-                    .unwrap_or_default()
-            } else {
-                j.pending_reason.clone()
-            };
-            vec![
-                super::slurm_syntax::job_id_text(j),
-                printable(&spec.tenant),
-                if j.redacted {
-                    "(hidden)".into()
-                } else if spec.name.is_empty() {
-                    printable(&spec.command.first().cloned().unwrap_or_default())
-                } else {
-                    printable(&spec.name)
-                },
-                j.state.to_uppercase(),
-                format!("{}x{}", spec.tasks, spec.gpus_per_task),
-                if spec.partition.is_empty() {
-                    "-".into()
-                } else {
-                    spec.partition
-                },
-                format_duration(spec.time_limit_secs as u64),
-                age(j.submitted_at_ms, now_ms),
-                if nodes.is_empty() {
-                    printable(&reason)
-                } else {
-                    nodes.join(",")
-                },
-            ]
-        })
-        .collect();
-    table(
-        &[
-            "JOBID",
-            "TENANT",
-            "NAME",
-            "STATE",
-            "TASKSxGPUS",
-            "PARTITION",
-            "TIME_LIMIT",
-            "AGE",
-            "NODES/REASON",
-        ],
-        &rows,
+    use super::columns::{DEFAULT_JOB_COLUMNS, JOBS, JobContext};
+    JOBS.render(
+        &JOBS.named(DEFAULT_JOB_COLUMNS),
+        jobs,
+        &JobContext { now_ms },
     )
 }
 
@@ -267,6 +238,12 @@ pub fn job_details(j: &pb::Job) -> String {
     } else {
         kv("Name:", printable(&spec.name));
         kv("Command:", printable(&spec.command.join(" ")));
+        if !spec.stdout_path.is_empty() {
+            kv("Stdout:", printable(&spec.stdout_path));
+        }
+        if !spec.stderr_path.is_empty() {
+            kv("Stderr:", printable(&spec.stderr_path));
+        }
         if !spec.workdir.is_empty() {
             kv("Workdir:", printable(&spec.workdir));
         }
@@ -292,12 +269,45 @@ pub fn job_details(j: &pb::Job) -> String {
             spec.tasks, spec.gpus_per_task, spec.cpu_milli_per_task, spec.memory_mib_per_task
         ),
     );
+    if spec.gpu_milli > 0 {
+        kv(
+            "GPU share:",
+            format!(
+                "{} milli of one GPU, {}",
+                spec.gpu_milli,
+                if spec.gpu_memory_mib > 0 {
+                    format!("{} MiB of its memory", spec.gpu_memory_mib)
+                } else {
+                    "GPU memory in proportion".to_owned()
+                }
+            ),
+        );
+    }
+    if !spec.mig_profile.is_empty() {
+        kv(
+            "MIG profile:",
+            format!("{} (each GPU is a slice)", printable(&spec.mig_profile)),
+        );
+    }
+    let mut placement = Vec::new();
+    if spec.single_numa {
+        placement.push("all GPUs of a task on one NUMA node");
+    }
+    if spec.preemptible {
+        placement.push("preemptible");
+    }
+    if spec.hold_if_unfit {
+        placement.push("held while no node could fit it");
+    }
+    if !placement.is_empty() {
+        kv("Placement:", placement.join(", "));
+    }
     kv(
         "GPU models:",
         if spec.gpu_models.is_empty() {
             "any".into()
         } else {
-            spec.gpu_models.join("|")
+            printable(&spec.gpu_models.join("|"))
         },
     );
     kv(
@@ -305,10 +315,10 @@ pub fn job_details(j: &pb::Job) -> String {
         if spec.partition.is_empty() {
             "-".into()
         } else {
-            spec.partition.clone()
+            printable(&spec.partition)
         },
     );
-    kv("Priority:", spec.priority_class.clone());
+    kv("Priority:", printable(&spec.priority_class));
     kv("Time limit:", format_duration(spec.time_limit_secs as u64));
     if !spec.nodelist.is_empty() {
         kv("Node list:", printable(&spec.nodelist.join(",")));
@@ -334,18 +344,34 @@ pub fn job_details(j: &pb::Job) -> String {
         kv("Dependencies:", deps.join(","));
     }
     if !j.idempotency_key.is_empty() {
-        kv("Idem. key:", j.idempotency_key.clone());
+        kv("Idem. key:", printable(&j.idempotency_key));
+    }
+    if j.attempts > 0 {
+        kv("Attempts:", j.attempts.to_string());
     }
     for a in &j.allocations {
+        let share = if a.gpu_milli > 0 {
+            format!(
+                ", {} milli{}",
+                a.gpu_milli,
+                if a.gpu_memory_mib > 0 {
+                    format!(" and {} MiB", a.gpu_memory_mib)
+                } else {
+                    String::new()
+                }
+            )
+        } else {
+            String::new()
+        };
         kv(
             "Allocation:",
-            format!(
-                "{} on {} GPUs [{}] (term {})",
+            printable(&format!(
+                "{} on {} GPUs [{}]{share} (term {})",
                 a.id,
                 a.node,
                 a.gpus.join(", "),
                 a.term
-            ),
+            )),
         );
         kv(
             "Enforced:",
@@ -405,12 +431,23 @@ pub fn node_json(n: &pb::Node) -> Value {
         "agent_release": if n.agent_release.is_empty() { Value::Null } else { json!(n.agent_release) },
         "enforcement": if n.enforcement.is_empty() { Value::Null } else { json!(n.enforcement) },
         "container_runtime": if n.container_runtime.is_empty() { Value::Null } else { json!(n.container_runtime) },
+        "driver": n.driver,
+        "agent_address": n.agent_address,
         "gpus": n.gpus.iter().map(|g| json!({
             "uuid": g.uuid, "index": g.index, "model": g.model, "memory_mib": g.memory_mib,
             "numa_node": if g.numa_node < 0 { Value::Null } else { json!(g.numa_node) },
             "pci_bus_id": g.pci_bus_id, "health": g.health, "health_reason": g.health_reason,
             "allocation": if g.allocation == 0 { Value::Null } else { json!(g.allocation) },
+            "shared_milli": g.shared_milli,
+            "shared_memory_mib": g.shared_memory_mib,
+            "share_allocations": g.share_allocations,
+            "mig": g.mig.iter().map(|m| json!({
+                "uuid": m.uuid, "profile": m.profile, "memory_mib": m.memory_mib,
+                "allocation": if m.allocation == 0 { Value::Null } else { json!(m.allocation) },
+            })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
+        // Rows of the link matrix, GPU by GPU, as `nvidia-smi topo -m` writes the cells.
+        "topology": n.topology.iter().map(|row| row.split_whitespace().collect::<Vec<_>>()).collect::<Vec<_>>(),
     })
 }
 
@@ -431,60 +468,162 @@ pub fn node_json_with_skew(n: &pb::Node, control_plane_release: &str) -> Value {
     value
 }
 
+/// The default `gpuctl nodes` table (`columns::DEFAULT_NODE_COLUMNS`).
 pub fn nodes_table(nodes: &[pb::Node], control_plane_release: Option<&str>) -> String {
-    let rows: Vec<Vec<String>> = nodes
+    use super::columns::{DEFAULT_NODE_COLUMNS, NODES, NodeContext};
+    NODES.render(
+        &NODES.named(DEFAULT_NODE_COLUMNS),
+        nodes,
+        &NodeContext {
+            control_plane_release: control_plane_release.map(str::to_owned),
+        },
+    )
+}
+
+/// One node in detail (`gpuctl node show`): its facts, each GPU (NUMA node, PCI bus, health,
+/// holder, shares, MIG slices) and the link matrix as `nvidia-smi topo -m` prints it.
+pub fn node_details(n: &pb::Node, control_plane_release: &str) -> String {
+    let mut out = String::new();
+    let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
+    kv("Node:", printable(&n.name));
+    kv("Status:", printable(&n.status.to_uppercase()));
+    kv(
+        "Partition:",
+        if n.partition.is_empty() {
+            "-".into()
+        } else {
+            printable(&n.partition)
+        },
+    );
+    let mut labels: Vec<String> = n.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    labels.sort();
+    if !labels.is_empty() {
+        kv("Labels:", printable(&labels.join(", ")));
+    }
+    kv(
+        "Resources:",
+        format!(
+            "{} GPUs, {} mCPU, {} MiB",
+            n.gpus.len(),
+            n.cpu_milli,
+            n.memory_mib
+        ),
+    );
+    kv(
+        "Agent:",
+        agent_cell(&n.agent_release, control_plane_release),
+    );
+    kv("Address:", printable(&n.agent_address));
+    kv("Driver:", printable(&n.driver));
+    kv(
+        "Enforced:",
+        if n.enforcement.is_empty() {
+            "not reported by the node's agent".into()
+        } else {
+            printable(&n.enforcement)
+        },
+    );
+    if !n.container_runtime.is_empty() {
+        kv("Containers:", printable(&n.container_runtime));
+    }
+    kv("Registered:", format_time(n.registered_at_ms));
+    out.push('\n');
+    let rows: Vec<Vec<String>> = n
+        .gpus
         .iter()
-        .map(|n| {
-            let used = n.gpus.iter().filter(|g| g.allocation != 0).count();
-            let unhealthy = n.gpus.iter().filter(|g| g.health != "healthy").count();
-            let mut models: Vec<&str> = n.gpus.iter().map(|g| g.model.as_str()).collect();
-            models.dedup();
+        .map(|g| {
+            let held = if g.allocation != 0 {
+                format!("allocation {}", g.allocation)
+            } else if g.shared_milli > 0 {
+                let ids: Vec<String> = g.share_allocations.iter().map(u64::to_string).collect();
+                format!("{} milli shared ({})", g.shared_milli, ids.join(","))
+            } else {
+                "-".into()
+            };
+            let mig: Vec<String> = g
+                .mig
+                .iter()
+                .map(|m| {
+                    if m.allocation == 0 {
+                        printable(&m.profile)
+                    } else {
+                        format!("{}@{}", printable(&m.profile), m.allocation)
+                    }
+                })
+                .collect();
             vec![
-                n.name.clone(),
-                n.status.to_uppercase(),
-                if n.partition.is_empty() {
+                g.index.to_string(),
+                printable(&g.model),
+                format!("{}", g.memory_mib),
+                if g.numa_node < 0 {
+                    "?".into()
+                } else {
+                    g.numa_node.to_string()
+                },
+                if g.pci_bus_id.is_empty() {
                     "-".into()
                 } else {
-                    n.partition.clone()
+                    printable(&g.pci_bus_id)
                 },
-                models.join(","),
-                format!("{used}/{}", n.gpus.len()),
-                unhealthy.to_string(),
-                format!("{}", n.cpu_milli / 1000),
-                format!("{}", n.memory_mib / 1024),
-                match control_plane_release {
-                    Some(cp) => agent_cell(&n.agent_release, cp),
-                    None => crate::release::agent_release_text(&n.agent_release),
-                },
-                if n.container_runtime.is_empty() {
-                    enforcement_cell(&n.enforcement)
+                if g.health == "healthy" {
+                    "healthy".into()
                 } else {
-                    // The node also runs container jobs.
-                    format!("{}+docker", enforcement_cell(&n.enforcement))
+                    printable(&format!("{}: {}", g.health, g.health_reason))
                 },
+                held,
+                if mig.is_empty() {
+                    "-".into()
+                } else {
+                    mig.join(",")
+                },
+                printable(&g.uuid),
             ]
         })
         .collect();
-    table(
+    out.push_str(&table(
         &[
-            "NODE",
-            "STATUS",
-            "PARTITION",
-            "MODEL",
-            "GPUS_USED",
-            "UNHEALTHY",
-            "CPUS",
-            "MEM_GIB",
-            "AGENT",
-            "ENFORCED",
+            "GPU", "MODEL", "MEM_MIB", "NUMA", "PCI", "HEALTH", "HELD_BY", "MIG", "UUID",
         ],
         &rows,
-    )
+    ));
+    if !n.topology.is_empty() {
+        out.push_str("\nTopology (nvidia-smi topo -m):\n");
+        out.push_str(&topology_matrix(n));
+    }
+    out
+}
+
+/// The link matrix with a GPU header and each row's NUMA affinity, as `nvidia-smi topo -m`.
+pub fn topology_matrix(n: &pb::Node) -> String {
+    let count = n.topology.len();
+    let mut headers: Vec<String> = vec![String::new()];
+    headers.extend((0..count).map(|i| format!("GPU{i}")));
+    headers.push("NUMA Affinity".into());
+    let rows: Vec<Vec<String>> = n
+        .topology
+        .iter()
+        .enumerate()
+        .map(|(i, row)| {
+            let mut cells = vec![format!("GPU{i}")];
+            cells.extend(row.split_whitespace().map(printable));
+            cells.resize(count + 1, "?".into());
+            let numa = n
+                .gpus
+                .iter()
+                .find(|g| g.index as usize == i)
+                .filter(|g| g.numa_node >= 0)
+                .map_or("N/A".into(), |g| g.numa_node.to_string());
+            cells.push(numa);
+            cells
+        })
+        .collect();
+    let headers: Vec<&str> = headers.iter().map(String::as_str).collect();
+    table(&headers, &rows)
 }
 
 /// A node's enforcement for a table: the hierarchy ("cgroup-v1"), "UNENFORCED" (the reason is
 /// in `-o json` and the agent's log), or "?" from an agent that does not report it.
-fn enforcement_cell(enforcement: &str) -> String {
+pub(crate) fn enforcement_cell(enforcement: &str) -> String {
     if enforcement.is_empty() {
         "?".into()
     } else if enforcement.starts_with("unenforced") {
@@ -502,7 +641,7 @@ fn enforcement_cell(enforcement: &str) -> String {
 }
 
 /// An agent's release, flagged when it is not the control plane's.
-fn agent_cell(agent_release: &str, control_plane_release: &str) -> String {
+pub(crate) fn agent_cell(agent_release: &str, control_plane_release: &str) -> String {
     let text = crate::release::agent_release_text(agent_release);
     match crate::release::Skew::of(agent_release, control_plane_release) {
         crate::release::Skew::Same => text,
@@ -819,9 +958,116 @@ mod tests {
     }
 
     #[test]
+    fn tables_are_plain_and_width_aware() {
+        let t = table(
+            &["ID", "NAME", "STATE"],
+            &[
+                vec!["1".into(), "日本語".into(), "RUNNING".into()],
+                vec!["22".into(), "".into(), "".into()],
+            ],
+        );
+        assert_eq!(t, "ID  NAME    STATE\n1   日本語  RUNNING\n22\n");
+        assert_eq!(table(&["A"], &[]), "A\n");
+    }
+
+    #[test]
     fn times_print_in_utc() {
         assert_eq!(format_time(0), "1970-01-01 00:00:00");
         assert_eq!(format_time(1_796_226_738_000), "2026-12-02 15:52:18");
+        assert_eq!(format_time(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(
+            format_time(u64::MAX),
+            "18446744073709551615 ms after the epoch"
+        );
+    }
+
+    #[test]
+    fn node_details_show_numa_shares_mig_and_the_matrix() {
+        let gpu = |index: u32, numa: i32| pb::Gpu {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: "A100".into(),
+            memory_mib: 81_920,
+            numa_node: numa,
+            health: "healthy".into(),
+            ..Default::default()
+        };
+        let mut g1 = gpu(1, 1);
+        g1.shared_milli = 500;
+        g1.share_allocations = vec![7, 9];
+        let mut g0 = gpu(0, 0);
+        g0.mig = vec![pb::MigSlice {
+            profile: "3g.40gb".into(),
+            allocation: 4,
+            ..Default::default()
+        }];
+        let n = pb::Node {
+            name: "gpu-1".into(),
+            status: "ready".into(),
+            gpus: vec![g0, g1],
+            topology: vec![
+                " X NV12".replace(' ', "\t").trim().replace('\t', " "),
+                "NV12 X".into(),
+            ],
+            ..Default::default()
+        };
+        let text = node_details(&n, "0.2.0");
+        assert!(text.contains("500 milli shared (7,9)"), "{text}");
+        assert!(text.contains("3g.40gb@4"), "{text}");
+        let matrix = topology_matrix(&n);
+        assert_eq!(
+            matrix,
+            "      GPU0  GPU1  NUMA Affinity\nGPU0  X     NV12  0\nGPU1  NV12  X     1\n"
+        );
+    }
+
+    /// A hostile name or reason (newlines, terminal escapes) can neither add a row nor reach
+    /// the terminal raw, in the queue, in `show` or in `node show`.
+    #[test]
+    fn user_strings_cannot_forge_rows() {
+        let evil = "x\n99  alice  f  RUNNING\u{1b}[2J";
+        let j = pb::Job {
+            id: 1,
+            state: "pending".into(),
+            pending_reason: evil.into(),
+            spec: Some(pb::JobSpec {
+                tenant: "t".into(),
+                name: evil.into(),
+                command: vec![evil.into()],
+                workdir: evil.into(),
+                stdout_path: evil.into(),
+                gpu_models: vec![evil.into()],
+                ..Default::default()
+            }),
+            history: vec![pb::StateChange {
+                reason: evil.into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let queue = jobs_table(std::slice::from_ref(&j), 0);
+        assert_eq!(queue.lines().count(), 2, "{queue}");
+        let show = job_details(&j);
+        assert!(!show.contains('\u{1b}') && !show.contains("\n99"), "{show}");
+        let n = pb::Node {
+            name: evil.into(),
+            labels: [(String::from("k"), evil.to_owned())].into(),
+            topology: vec![evil.into()],
+            gpus: vec![pb::Gpu {
+                model: evil.into(),
+                health: "unhealthy".into(),
+                health_reason: evil.into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let nodes = nodes_table(std::slice::from_ref(&n), None);
+        assert_eq!(nodes.lines().count(), 2, "{nodes}");
+        let details = node_details(&n, "0.2.0");
+        assert!(
+            !details.contains('\u{1b}') && !details.contains("\n99"),
+            "{details}"
+        );
     }
 
     #[test]

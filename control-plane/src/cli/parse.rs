@@ -3,59 +3,82 @@
 use anyhow::{Context, bail};
 use proto::v1::{Dependency, dependency::Kind};
 
+/// Longest time limit accepted: what the API's `int64` seconds can hold.
+pub const MAX_TIME_LIMIT_SECS: u64 = i64::MAX as u64;
+
 /// Parses a time limit the way Slurm's `--time` does: `MINUTES`, `MINUTES:SECONDS`,
-/// `HOURS:MINUTES:SECONDS`, `DAYS-HOURS`, `DAYS-HOURS:MINUTES`, `DAYS-HOURS:MINUTES:SECONDS`.
-/// Also accepts a plain suffix form (`90s`, `30m`, `12h`, `2d`). Returns seconds.
+/// `HOURS:MINUTES:SECONDS`, `DAYS-HOURS`, `DAYS-HOURS:MINUTES`, `DAYS-HOURS:MINUTES:SECONDS`
+/// (fields may exceed their unit, `90:00` is 90 minutes, as in Slurm). Also a human duration
+/// (`humantime`: `90s`, `30m`, `12h`, `2d`, `1h 30m`), in whole seconds. Returns seconds, never
+/// zero; a value too large for the API is refused rather than wrapped.
 pub fn parse_time_limit(s: &str) -> anyhow::Result<u64> {
     let s = s.trim();
-    let bad =
-        || format!("time limit {s:?} is not MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS");
+    let bad = || {
+        format!(
+            "time limit {s:?} is not MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS \
+             or a duration such as 90s, 30m, 12h, 2d"
+        )
+    };
     if s.is_empty() {
         bail!(bad());
     }
-    if let Some(last) = s.chars().last()
-        && matches!(last, 's' | 'm' | 'h' | 'd')
-        && s.len() > 1
-    {
-        let n: u64 = s[..s.len() - 1].parse().with_context(bad)?;
-        let unit = match last {
-            's' => 1,
-            'm' => 60,
-            'h' => 3600,
-            _ => 86_400,
-        };
-        return Ok(n * unit);
+    let total = if s.chars().any(|c| c.is_ascii_alphabetic()) {
+        let d = humantime::parse_duration(s).map_err(|e| {
+            anyhow::anyhow!("time limit {s:?}: {e} (write e.g. 90s, 30m, 12h, 2d or D-HH:MM:SS)")
+        })?;
+        if d.subsec_nanos() != 0 {
+            bail!("time limit {s:?} is not a whole number of seconds");
+        }
+        d.as_secs()
+    } else {
+        slurm_time_secs(s).ok_or_else(|| anyhow::anyhow!(bad()))??
+    };
+    if total == 0 {
+        bail!("time limit {s:?} is zero");
     }
-    let num = |p: &str| -> anyhow::Result<u64> { p.parse::<u64>().with_context(bad) };
+    if total > MAX_TIME_LIMIT_SECS {
+        bail!("time limit {s:?} is too long (at most {MAX_TIME_LIMIT_SECS} seconds)");
+    }
+    Ok(total)
+}
+
+/// Seconds of a Slurm time (digits, `:` and `-` only). `None`: not that syntax; `Some(Err)`:
+/// that syntax, but more seconds than a u64 holds.
+fn slurm_time_secs(s: &str) -> Option<anyhow::Result<u64>> {
+    let num = |p: &str| -> Option<u64> {
+        if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        // Digits only: the one error left is overflow, which saturates (refused below).
+        Some(p.parse::<u64>().unwrap_or(u64::MAX))
+    };
     let (days, rest) = match s.split_once('-') {
         Some((d, rest)) => (num(d)?, Some(rest)),
         None => (0, None),
     };
-    let secs = match rest {
-        Some(rest) => {
-            let parts: Vec<&str> = rest.split(':').collect();
-            match parts.as_slice() {
-                [h] => num(h)? * 3600,
-                [h, m] => num(h)? * 3600 + num(m)? * 60,
-                [h, m, sec] => num(h)? * 3600 + num(m)? * 60 + num(sec)?,
-                _ => bail!(bad()),
-            }
-        }
-        None => {
-            let parts: Vec<&str> = s.split(':').collect();
-            match parts.as_slice() {
-                [m] => num(m)? * 60,
-                [m, sec] => num(m)? * 60 + num(sec)?,
-                [h, m, sec] => num(h)? * 3600 + num(m)? * 60 + num(sec)?,
-                _ => bail!(bad()),
-            }
-        }
+    // (hours, minutes, seconds)
+    let (h, m, sec) = match rest {
+        Some(rest) => match rest.split(':').collect::<Vec<_>>().as_slice() {
+            [h] => (num(h)?, 0, 0),
+            [h, m] => (num(h)?, num(m)?, 0),
+            [h, m, sec] => (num(h)?, num(m)?, num(sec)?),
+            _ => return None,
+        },
+        None => match s.split(':').collect::<Vec<_>>().as_slice() {
+            [m] => (0, num(m)?, 0),
+            [m, sec] => (0, num(m)?, num(sec)?),
+            [h, m, sec] => (num(h)?, num(m)?, num(sec)?),
+            _ => return None,
+        },
     };
-    let total = days * 86_400 + secs;
-    if total == 0 {
-        bail!("time limit {s:?} is zero");
-    }
-    Ok(total)
+    let total = days
+        .checked_mul(86_400)
+        .and_then(|t| t.checked_add(h.checked_mul(3600)?))
+        .and_then(|t| t.checked_add(m.checked_mul(60)?))
+        .and_then(|t| t.checked_add(sec));
+    Some(total.ok_or_else(|| {
+        anyhow::anyhow!("time limit {s:?} is too long (at most {MAX_TIME_LIMIT_SECS} seconds)")
+    }))
 }
 
 /// Parses a memory size as Slurm's `--mem` does: a number of MiB, or with a K/M/G/T suffix.
@@ -124,8 +147,106 @@ mod tests {
         for (input, want) in cases {
             assert_eq!(parse_time_limit(input).unwrap(), want, "{input}");
         }
-        for bad in ["", "abc", "1:2:3:4", "0", "-5", "1-2:3:4:5"] {
+        for bad in [
+            "",
+            "abc",
+            "1:2:3:4",
+            "0",
+            "-5",
+            "1-2:3:4:5",
+            "1-",
+            "-",
+            ":",
+            "1::2",
+            "+5",
+            "1.5",
+            "5 :3",
+            "1-2-3",
+            "0:0",
+            "1500ms",
+            "0s",
+        ] {
             assert!(parse_time_limit(bad).is_err(), "{bad:?} should be refused");
+        }
+        assert_eq!(parse_time_limit("1h 30m").unwrap(), 5400);
+        assert_eq!(parse_time_limit("90:00").unwrap(), 5400);
+    }
+
+    #[test]
+    fn huge_time_limits_are_refused_not_wrapped() {
+        for huge in [
+            "18446744073709551615",
+            "99999999999999999999999",
+            "213503982334601-0",
+            "1-18446744073709551615:00:00",
+            "153722867280912931",
+            "9223372036854775808:0",
+            "106751991167301d",
+            "1000000000000000000000h",
+        ] {
+            let e = parse_time_limit(huge).unwrap_err().to_string();
+            assert!(
+                e.contains("too long") || e.contains("too large"),
+                "{huge}: {e}"
+            );
+        }
+        assert_eq!(
+            parse_time_limit("9223372036854775807:0:0")
+                .unwrap_err()
+                .to_string(),
+            "time limit \"9223372036854775807:0:0\" is too long (at most 9223372036854775807 seconds)"
+        );
+        assert_eq!(
+            parse_time_limit("0:0:9223372036854775807").unwrap(),
+            MAX_TIME_LIMIT_SECS
+        );
+    }
+
+    proptest::proptest! {
+        /// Every Slurm form, with any field values, is either the exact sum or refused as
+        /// too long, never wrapped and never a panic.
+        #[test]
+        fn slurm_forms_sum_exactly(
+            d in proptest::option::of(0u64..u64::MAX),
+            h in 0u64..u64::MAX,
+            m in 0u64..u64::MAX,
+            sec in 0u64..u64::MAX,
+            form in 0usize..6,
+            small in proptest::bool::ANY,
+        ) {
+            // Half the cases in the range a person types, half anywhere.
+            let f = |x: u64, cap: u64| if small { x % cap } else { x };
+            let (d, h, m, sec) = (f(d.unwrap_or(0), 400), f(h, 100), f(m, 10_000), f(sec, 100_000));
+            let (text, want): (String, u128) = match form {
+                0 => (format!("{m}"), u128::from(m) * 60),
+                1 => (format!("{m}:{sec}"), u128::from(m) * 60 + u128::from(sec)),
+                2 => (format!("{h}:{m}:{sec}"), u128::from(h) * 3600 + u128::from(m) * 60 + u128::from(sec)),
+                3 => (format!("{d}-{h}"), u128::from(d) * 86_400 + u128::from(h) * 3600),
+                4 => (format!("{d}-{h}:{m}"), u128::from(d) * 86_400 + u128::from(h) * 3600 + u128::from(m) * 60),
+                _ => (
+                    format!("{d}-{h}:{m}:{sec}"),
+                    u128::from(d) * 86_400 + u128::from(h) * 3600 + u128::from(m) * 60 + u128::from(sec),
+                ),
+            };
+            match parse_time_limit(&text) {
+                Ok(got) => proptest::prop_assert_eq!(u128::from(got), want),
+                Err(e) => {
+                    let e = e.to_string();
+                    proptest::prop_assert!(
+                        (want == 0 && e.contains("zero"))
+                            || (want > u128::from(MAX_TIME_LIMIT_SECS) && e.contains("too long")),
+                        "{} refused: {}", text, e
+                    );
+                }
+            }
+        }
+
+        /// Arbitrary text never panics, and what parses is in range.
+        #[test]
+        fn any_text_is_parsed_or_refused(s in "[0-9:\\- a-z.]{0,24}") {
+            if let Ok(secs) = parse_time_limit(&s) {
+                proptest::prop_assert!(secs > 0 && secs <= MAX_TIME_LIMIT_SECS);
+            }
         }
     }
 

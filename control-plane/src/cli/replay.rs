@@ -130,6 +130,7 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
         other => anyhow::bail!("--backfill is on, off or both, not {other:?}"),
     };
     let mut runs: Vec<RunResult> = Vec::new();
+    let bar = super::progress::bar((args.policies.len() * backfills.len()) as u64, "runs", fmt);
     for name in &args.policies {
         let scoring = scoring(name)?;
         for &backfill in backfills {
@@ -152,12 +153,15 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
                 grace_ms: args.grace_s * 1000,
                 tick_ms: args.tick_s * 1000,
             };
-            if fmt.is_table() {
+            if bar.is_hidden() && fmt.is_table() {
                 eprintln!("replaying {} jobs: {} ...", jobs.len(), cfg.label);
             }
+            bar.set_message(cfg.label.clone());
             runs.push(replay::run(&base, &jobs, &cfg)?);
+            bar.inc(1);
         }
     }
+    bar.finish_and_clear();
     if let Some(path) = &args.plot {
         let title = format!("replay of {} jobs ({})", jobs.len(), description["kind"]);
         std::fs::write(path, replay_svg::plot(&title, &runs, 200))

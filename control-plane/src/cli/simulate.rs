@@ -10,7 +10,8 @@ use std::time::Instant;
 use anyhow::Context;
 use serde_json::json;
 
-use super::output::{Format, table};
+use super::output::{Format, printable, table};
+use super::progress;
 use crate::scheduler::score::ScorePolicy;
 use crate::sim::fragmentation::{self, Config, Report};
 use crate::sim::{svg, trace};
@@ -25,7 +26,7 @@ pub enum SimulateCommand {
     Replay(super::replay::ReplayArgs),
     /// Deterministic simulation of the whole control plane (Raft, state machine, scheduler,
     /// leader loops, agent and client APIs) with simulated hosts and clients, under seeded
-    /// crashes, partitions and message loss; checks the six invariants of DESIGN.md per seed.
+    /// crashes, partitions and message loss; checks the six invariants of docs/ARCHITECTURE.md per seed.
     Cluster(ClusterArgs),
 }
 
@@ -50,7 +51,7 @@ pub struct FragmentationArgs {
     /// `openb_node_list_gpu_node.csv`.
     #[arg(long, value_name = "NODES.csv")]
     pub nodes: PathBuf,
-    /// Pod list CSV (`name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,...`), e.g.
+    /// Pod list CSV (`name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec],...`), e.g.
     /// `openb_pod_list_default.csv`.
     #[arg(long, value_name = "PODS.csv")]
     pub pods: PathBuf,
@@ -101,12 +102,15 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
     let started = Instant::now();
     let done = std::sync::atomic::AtomicU64::new(0);
     let total = seeds.len() as u64;
+    let bar = progress::bar(total, "seeds", fmt);
     let progress = |r: &crate::dst::SeedReport| {
         let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         if !r.violations.is_empty() {
-            eprint!("{}", r.describe_failure());
+            bar.suspend(|| eprint!("{}", r.describe_failure()));
         }
-        if fmt.is_table() && (n.is_multiple_of(500) || n == total) {
+        bar.inc(1);
+        // Without a bar (a log, CI), a line now and then.
+        if bar.is_hidden() && fmt.is_table() && (n.is_multiple_of(500) || n == total) {
             eprintln!(
                 "{n}/{total} seeds, {:.0} s",
                 started.elapsed().as_secs_f64()
@@ -114,6 +118,7 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
         }
     };
     let summary = crate::dst::run_seeds(&seeds, &crate::dst::Params::default(), threads, &progress);
+    bar.finish_and_clear();
     let wall = started.elapsed().as_secs_f64();
     let failed: Vec<u64> = summary.failed.iter().map(|r| r.seed).collect();
     match fmt {
@@ -187,6 +192,14 @@ fn fragmentation(args: FragmentationArgs, fmt: Format) -> anyhow::Result<()> {
     let started = Instant::now();
     let nodes = trace::load_nodes(&args.nodes)?;
     let pods = trace::load_pods(&args.pods)?;
+    for (model, tasks) in trace::unknown_models(&nodes, &pods) {
+        eprintln!(
+            "warning: {tasks} task(s) of {} accept GPU model {} that no node of {} has",
+            args.pods.display(),
+            printable(&model),
+            args.nodes.display()
+        );
+    }
     let config = Config {
         seeds: (args.first_seed..args.first_seed.saturating_add(args.seeds)).collect(),
         policies: args.policies,
@@ -195,7 +208,9 @@ fn fragmentation(args: FragmentationArgs, fmt: Format) -> anyhow::Result<()> {
         max_tasks: args.max_tasks,
         threads: args.threads,
     };
-    let report = fragmentation::run(&nodes, &pods, &config)?;
+    let bar = progress::bar(fragmentation::run_count(&config) as u64, "runs", fmt);
+    let report = fragmentation::run_with_progress(&nodes, &pods, &config, &|| bar.inc(1))?;
+    bar.finish_and_clear();
     let wall = started.elapsed().as_secs_f64();
     if let Some(path) = &args.plot {
         std::fs::write(path, plot(&report))

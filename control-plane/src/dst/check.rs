@@ -1,4 +1,4 @@
-//! The invariants of DESIGN.md, checked while a seed runs and at its end.
+//! The invariants of docs/ARCHITECTURE.md, checked while a seed runs and at its end.
 //!
 //! - `Observer` sees the simulated hosts: every process start and stop, at the simulated
 //!   instant it happens. It checks on the spot that no GPU (or MIG slice) is used by two

@@ -31,8 +31,9 @@ pub const TARGET: Target = Target {
     run,
 };
 
-/// The traces' headers and first lines (`shared/traces/*.csv`), and variations the parsers
-/// accept (quotes, CRLF, a byte-order mark, extra columns, shares and model lists).
+/// The traces' headers and first lines (`tests/traces/*.csv`), and variations the parsers
+/// accept (quotes, CRLF, a byte-order mark, extra columns, shares and model lists, no
+/// `gpu_spec` column).
 fn seeds() -> Vec<Vec<u8>> {
     let nodes = "sn,cpu_milli,memory_mib,gpu,model\n\
                  openb-node-0000,64000,262144,2,P100\n\
@@ -45,8 +46,13 @@ fn seeds() -> Vec<Vec<u8>> {
                 openb-pod-0042,4000,8192,0,0,,BE,Failed,10,20,10\n\
                 openb-pod-0051,8000,30720,1,500,P100|V100M16,LS,Running,1,2,1\n";
     let quoted = "\u{feff}\"sn\",\"cpu_milli\",memory_mib,gpu,model,extra\r\n\"n,1\",1000,1024,1,\"T4\",x\r\n";
+    // A pod list without model constraints (no `gpu_spec` column).
+    let no_spec = "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n\
+                   p0,12000,16384,1,1000\n\
+                   p1,6000,12288,1,460\n";
     vec![
         format!("{nodes}\0{pods}").into_bytes(),
+        format!("{nodes}\0{no_spec}").into_bytes(),
         nodes.as_bytes().to_vec(),
         pods.as_bytes().to_vec(),
         format!("{quoted}\0{pods}").into_bytes(),
@@ -60,6 +66,7 @@ fn error_feature(features: &mut Features, which: &str, e: &TraceError) {
         TraceError::MissingColumn { column, .. } => format!("missing {column}"),
         TraceError::Field { field, reason, .. } => format!("{field}: {}", shape(reason, 6)),
         TraceError::NoRows { .. } => "no rows".to_owned(),
+        TraceError::Syntax { reason, .. } => format!("syntax: {}", shape(reason, 6)),
     };
     features.add((which, what));
 }

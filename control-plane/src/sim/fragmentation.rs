@@ -217,6 +217,21 @@ struct Prepared<'a> {
 
 /// Runs every (seed, policy) pair, in parallel.
 pub fn run(nodes: &[TraceNode], pods: &[TracePod], config: &Config) -> Result<Report, SimError> {
+    run_with_progress(nodes, pods, config, &|| {})
+}
+
+/// How many (seed, policy) runs `config` makes.
+pub fn run_count(config: &Config) -> usize {
+    config.seeds.len() * config.policies.len()
+}
+
+/// `run`, calling `on_run` (from a worker thread) as each of the `run_count` runs ends.
+pub fn run_with_progress(
+    nodes: &[TraceNode],
+    pods: &[TracePod],
+    config: &Config,
+    on_run: &(dyn Fn() + Sync),
+) -> Result<Report, SimError> {
     if config.seeds.is_empty() {
         return Err(SimError::NoSeeds);
     }
@@ -250,6 +265,7 @@ pub fn run(nodes: &[TraceNode], pods: &[TracePod], config: &Config) -> Result<Re
                         let j = next.fetch_add(1, Ordering::Relaxed);
                         let Some(&(s, p)) = jobs.get(j) else { break };
                         let run = simulate(&prep, &config.policies[p], config.seeds[s], config);
+                        on_run();
                         done.push((j, run));
                     }
                     done

@@ -12,6 +12,7 @@
 //!
 //! `gpuctl simulate fragmentation` and `gpuctl simulate replay` are the command-line front ends.
 
+pub mod csv_table;
 pub mod fragmentation;
 pub mod replay;
 pub mod replay_svg;

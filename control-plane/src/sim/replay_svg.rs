@@ -1,25 +1,32 @@
-//! The replay's plot, as hand-written SVG: GPU utilization (top panel) and unallocatable GPU
+//! The replay's plot as SVG (`plotters`): GPU utilization (top panel) and unallocatable GPU
 //! share (bottom panel) over simulated time, one line per run, each point a time-weighted mean
-//! over an equal window.
+//! over an equal window; the legend on the right.
 
-use std::fmt::Write;
+use plotters::prelude::*;
 
 use super::replay::RunResult;
+use super::svg::COLOURS;
 
-const COLORS: [&str; 8] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-];
-
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
+const WIDTH: u32 = 900;
+const HEIGHT: u32 = 560;
+const LEGEND_WIDTH: u32 = 200;
 
 /// An SVG document of `runs` over `bins` windows.
 pub fn plot(title: &str, runs: &[RunResult], bins: usize) -> String {
-    let (w, h, left, right, top, panel, gap) = (900.0, 560.0, 70.0, 200.0, 40.0, 220.0, 50.0);
-    let plot_w = w - left - right;
+    let mut out = String::new();
+    draw(&mut out, title, runs, bins).expect("drawing into a string cannot fail");
+    if !out.ends_with('\n') {
+        out.push('\n');
+    }
+    out
+}
+
+fn draw(
+    out: &mut String,
+    title: &str,
+    runs: &[RunResult],
+    bins: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
     let end_s = runs.iter().map(|r| r.end_s).fold(0.0, f64::max).max(1.0);
     let (unit, scale) = if end_s > 3.0 * 86_400.0 {
         ("days", 86_400.0)
@@ -28,94 +35,57 @@ pub fn plot(title: &str, runs: &[RunResult], bins: usize) -> String {
     } else {
         ("seconds", 1.0)
     };
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
-<rect width="100%" height="100%" fill="white"/>
-<text x="{}" y="20" text-anchor="middle" font-size="14">{}</text>
-"#,
-        left + plot_w / 2.0,
-        escape(title)
-    );
-    let panels = [
-        ("GPU utilization", 0usize),
-        ("unallocatable GPU share", 1usize),
-    ];
-    for (p, (name, which)) in panels.iter().enumerate() {
-        let y0 = top + p as f64 * (panel + gap);
-        let _ = writeln!(
-            s,
-            r##"<rect x="{left}" y="{y0}" width="{plot_w}" height="{panel}" fill="none" stroke="#888"/>
-<text x="{}" y="{}" text-anchor="middle" transform="rotate(-90 {} {})">{name}</text>"##,
-            left - 45.0,
-            y0 + panel / 2.0,
-            left - 45.0,
-            y0 + panel / 2.0
-        );
-        for k in 0..=4 {
-            let v = k as f64 / 4.0;
-            let y = y0 + panel * (1.0 - v);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{left}" y1="{y:.1}" x2="{}" y2="{y:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end">{:.0}%</text>"##,
-                left + plot_w,
-                left - 5.0,
-                y + 4.0,
-                v * 100.0
-            );
+    let root = SVGBackend::with_string(out, (WIDTH, HEIGHT)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 14))?;
+    let (plots, legend) = root.split_horizontally(WIDTH - LEGEND_WIDTH);
+    let panels = plots.split_evenly((2, 1));
+    let series: Vec<Vec<(f64, f64, f64)>> = runs.iter().map(|r| r.binned(bins)).collect();
+    for (p, (area, name)) in panels
+        .iter()
+        .zip(["GPU utilization", "unallocatable GPU share"])
+        .enumerate()
+    {
+        let mut chart = ChartBuilder::on(area)
+            .margin(8)
+            .x_label_area_size(if p == 1 { 40 } else { 25 })
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..end_s / scale, 0.0..100.0)?;
+        let mut mesh = chart.configure_mesh();
+        mesh.x_labels(6)
+            .y_labels(5)
+            .max_light_lines(0)
+            .bold_line_style(RGBColor(0xee, 0xee, 0xee))
+            .label_style(("sans-serif", 12))
+            .y_desc(name)
+            .y_label_formatter(&|v| format!("{v:.0}%"))
+            .x_label_formatter(&|v| format!("{v:.1}"));
+        if p == 1 {
+            mesh.x_desc(format!("simulated time ({unit})"));
         }
-        for k in 0..=5 {
-            let x = left + plot_w * k as f64 / 5.0;
-            let _ = writeln!(
-                s,
-                r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle">{:.1}</text>"#,
-                y0 + panel + 15.0,
-                end_s / scale * k as f64 / 5.0
-            );
-        }
-        for (i, r) in runs.iter().enumerate() {
-            let pts: Vec<String> = r
-                .binned(bins)
-                .iter()
-                .map(|&(t, u, f)| {
-                    let v = if *which == 0 { u } else { f };
-                    format!(
-                        "{:.1},{:.1}",
-                        left + plot_w * t / end_s,
-                        y0 + panel * (1.0 - v.clamp(0.0, 1.0))
-                    )
-                })
-                .collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
-                COLORS[i % COLORS.len()],
-                pts.join(" ")
-            );
+        mesh.draw()?;
+        for (i, points) in series.iter().enumerate() {
+            let colour = COLOURS[i % COLOURS.len()];
+            chart.draw_series(LineSeries::new(
+                points.iter().map(|&(t, u, f)| {
+                    let v = if p == 0 { u } else { f };
+                    (t / scale, v.clamp(0.0, 1.0) * 100.0)
+                }),
+                colour.stroke_width(2),
+            ))?;
         }
     }
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle">simulated time ({unit})</text>"#,
-        left + plot_w / 2.0,
-        top + 2.0 * panel + gap + 32.0
-    );
     for (i, r) in runs.iter().enumerate() {
-        let y = top + 10.0 + i as f64 * 18.0;
-        let x = left + plot_w + 15.0;
-        let _ = writeln!(
-            s,
-            r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
-            x + 20.0,
-            COLORS[i % COLORS.len()],
-            x + 25.0,
-            y + 4.0,
-            escape(&r.label)
-        );
+        let colour = COLOURS[i % COLOURS.len()];
+        let y = 20 + i as i32 * 18;
+        legend.draw(&PathElement::new(
+            [(10, y), (30, y)],
+            colour.stroke_width(3),
+        ))?;
+        legend.draw(&Text::new(r.label.clone(), (36, y - 6), ("sans-serif", 12)))?;
     }
-    s.push_str("</svg>\n");
-    s
+    root.present()?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -132,7 +102,14 @@ mod tests {
             ..RunResult::default()
         };
         let svg = plot("t", &[r.clone(), r], 10);
-        assert_eq!(svg.matches("<polyline").count(), 4);
-        assert!(svg.contains("a&lt;b") && svg.ends_with("</svg>\n"));
+        // Two runs in two panels, and two legend samples.
+        assert_eq!(svg.matches("stroke=\"#D62728\"").count(), 2 + 1, "{svg}");
+        assert_eq!(svg.matches("stroke=\"#1F77B4\"").count(), 2 + 1);
+        let text = svg.replace('\n', "");
+        assert!(
+            text.contains(">a&lt;b</text>") && svg.ends_with("</svg>\n"),
+            "{svg}"
+        );
+        assert!(text.contains(">simulated time (seconds)</text>"));
     }
 }

@@ -1,9 +1,8 @@
-//! A hand-written SVG line plot: the allocation curves of the fragmentation experiment
-//! (allocated GPU share against arrived workload, one line per policy), with axes, grid,
-//! a legend and the ideal (everything that arrives is placed, up to capacity) dashed.
+//! The allocation curves of the fragmentation experiment as an SVG line plot (`plotters`):
+//! allocated GPU share against arrived workload, one line per policy, with axes, grid, a
+//! legend and the ideal (everything that arrives is placed, up to capacity) dashed.
 
-use std::fmt::Write;
-
+use plotters::prelude::*;
 /// One line of the plot.
 pub struct Series<'a> {
     pub name: &'a str,
@@ -24,162 +23,90 @@ pub struct Axes<'a> {
     pub y_step: f64,
 }
 
-const WIDTH: f64 = 760.0;
-const HEIGHT: f64 = 500.0;
-const LEFT: f64 = 70.0;
-const RIGHT: f64 = 20.0;
-const TOP: f64 = 40.0;
-const BOTTOM: f64 = 60.0;
+const WIDTH: u32 = 760;
+const HEIGHT: u32 = 500;
 /// Distinguishable in colour and in greyscale.
-const COLOURS: [&str; 6] = [
-    "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+pub(crate) const COLOURS: [RGBColor; 8] = [
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0xe3, 0x77, 0xc2),
+    RGBColor(0x17, 0xbe, 0xcf),
 ];
+const IDEAL: RGBColor = RGBColor(0x88, 0x88, 0x88);
 
 /// The allocation plot: `series` against x in `0..=x_max`, with the ideal line `y = min(x,
 /// 100)` dashed.
 pub fn allocation_plot(axes: &Axes, series: &[Series]) -> String {
-    let plot_w = WIDTH - LEFT - RIGHT;
-    let plot_h = HEIGHT - TOP - BOTTOM;
-    let sx = |x: f64| LEFT + x.clamp(0.0, axes.x_max) / axes.x_max * plot_w;
-    let sy = |y: f64| {
-        let y = y.clamp(axes.y_min, axes.y_max);
-        TOP + (axes.y_max - y) / (axes.y_max - axes.y_min) * plot_h
-    };
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-        WIDTH / 2.0,
-        escape(axes.title)
-    );
-    // Grid and ticks.
-    let mut x = 0.0;
-    while x <= axes.x_max + 1e-9 {
-        let px = sx(x);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}" stroke="#e5e5e5"/><text x="{px:.1}" y="{:.1}" text-anchor="middle">{x}</text>"##,
-            TOP + plot_h,
-            TOP + plot_h + 18.0
-        );
-        x += axes.x_step;
-    }
-    let mut y = axes.y_min;
-    while y <= axes.y_max + 1e-9 {
-        let py = sy(y);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{LEFT}" y1="{py:.1}" x2="{:.1}" y2="{py:.1}" stroke="#e5e5e5"/><text x="{:.1}" y="{:.1}" text-anchor="end">{y}</text>"##,
-            LEFT + plot_w,
-            LEFT - 8.0,
-            py + 4.0
-        );
-        y += axes.y_step;
-    }
-    // Axes and labels.
-    let _ = writeln!(
-        s,
-        r#"<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="black"/>"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-        LEFT + plot_w / 2.0,
-        HEIGHT - 15.0,
-        escape(axes.x_label)
-    );
-    let _ = writeln!(
-        s,
-        r#"<text transform="translate(18 {:.1}) rotate(-90)" text-anchor="middle">{}</text>"#,
-        TOP + plot_h / 2.0,
-        escape(axes.y_label)
-    );
-    // Clip lines to the plot area.
-    let _ = writeln!(
-        s,
-        r#"<clipPath id="plot"><rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}"/></clipPath>"#
-    );
-    let ideal: Vec<(f64, f64)> = [0.0, 100.0, axes.x_max]
-        .into_iter()
-        .filter(|&x| x <= axes.x_max)
-        .map(|x| (x, x.min(100.0)))
-        .collect();
-    let _ = writeln!(
-        s,
-        r##"<polyline clip-path="url(#plot)" fill="none" stroke="#888" stroke-width="1" stroke-dasharray="5 4" points="{}"/>"##,
-        points(&ideal, &sx, &sy)
-    );
-    for (i, line) in series.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            r#"<polyline clip-path="url(#plot)" fill="none" stroke="{}" stroke-width="2" points="{}"><title>{}</title></polyline>"#,
-            COLOURS[i % COLOURS.len()],
-            points(&line.points, &sx, &sy),
-            escape(line.name)
-        );
-    }
-    // Legend, inside the plot at the lower right (where curves never go).
-    let lx = LEFT + plot_w - 190.0;
-    let ly = TOP + plot_h - 20.0 - 20.0 * (series.len() as f64 + 1.0);
-    let _ = writeln!(
-        s,
-        r##"<rect x="{lx:.1}" y="{ly:.1}" width="180" height="{:.1}" fill="white" stroke="#999"/>"##,
-        20.0 * (series.len() as f64 + 1.0) + 8.0
-    );
-    let mut entries: Vec<(String, String, bool)> = series
-        .iter()
-        .enumerate()
-        .map(|(i, l)| {
-            (
-                l.name.to_owned(),
-                COLOURS[i % COLOURS.len()].to_owned(),
-                false,
-            )
-        })
-        .collect();
-    entries.push(("ideal".into(), "#888".into(), true));
-    for (i, (name, colour, dashed)) in entries.iter().enumerate() {
-        let y = ly + 16.0 + 20.0 * i as f64;
-        let dash = if *dashed {
-            r#" stroke-dasharray="5 4""#
-        } else {
-            ""
-        };
-        let _ = writeln!(
-            s,
-            r#"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{colour}" stroke-width="2"{dash}/><text x="{:.1}" y="{:.1}">{}</text>"#,
-            lx + 10.0,
-            lx + 40.0,
-            lx + 48.0,
-            y + 4.0,
-            escape(name)
-        );
-    }
-    s.push_str("</svg>\n");
-    s
-}
-
-fn points(pts: &[(f64, f64)], sx: &impl Fn(f64) -> f64, sy: &impl Fn(f64) -> f64) -> String {
     let mut out = String::new();
-    for (i, &(x, y)) in pts.iter().enumerate() {
-        if i > 0 {
-            out.push(' ');
-        }
-        let _ = write!(out, "{:.1},{:.1}", sx(x), sy(y));
+    draw(&mut out, axes, series).expect("drawing into a string cannot fail");
+    if !out.ends_with('\n') {
+        out.push('\n');
     }
     out
 }
 
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+fn draw(
+    out: &mut String,
+    axes: &Axes,
+    series: &[Series],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let root = SVGBackend::with_string(out, (WIDTH, HEIGHT)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let x_max = axes.x_max.max(f64::MIN_POSITIVE);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(axes.title, ("sans-serif", 15))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.0..x_max, axes.y_min..axes.y_max)?;
+    let ticks = |span: f64, step: f64| (span / step).round() as usize + 1;
+    chart
+        .configure_mesh()
+        .x_labels(ticks(x_max, axes.x_step))
+        .y_labels(ticks(axes.y_max - axes.y_min, axes.y_step))
+        .max_light_lines(0)
+        .label_style(("sans-serif", 12))
+        .axis_desc_style(("sans-serif", 13))
+        .bold_line_style(RGBColor(0xe5, 0xe5, 0xe5))
+        .x_desc(axes.x_label)
+        .y_desc(axes.y_label)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()?;
+    let ideal: Vec<(f64, f64)> = [0.0, 100.0, x_max]
+        .into_iter()
+        .filter(|&x| x <= x_max)
+        .map(|x| (x, x.min(100.0)))
+        .collect();
+    for (i, line) in series.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        let clamp = |&(x, y): &(f64, f64)| (x.clamp(0.0, x_max), y.clamp(axes.y_min, axes.y_max));
+        chart
+            .draw_series(LineSeries::new(
+                line.points.iter().map(clamp),
+                colour.stroke_width(2),
+            ))?
+            .label(line.name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 24, y)], colour.stroke_width(2)));
+    }
+    chart
+        .draw_series(DashedLineSeries::new(ideal, 5, 4, IDEAL.stroke_width(1)))?
+        .label("ideal")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 24, y)], IDEAL.stroke_width(1)));
+    // Lower right: where allocation curves never go.
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE)
+        .border_style(RGBColor(0x99, 0x99, 0x99))
+        .label_font(("sans-serif", 13))
+        .draw()?;
+    root.present()?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -209,18 +136,25 @@ mod tests {
             },
         ];
         let svg = allocation_plot(&axes, &series);
-        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+        // plotters puts each text on a line of its own.
+        let text = svg.replace('\n', "");
+        assert!(svg.starts_with("<svg "), "{svg}");
         assert!(svg.trim_end().ends_with("</svg>"));
-        // Two series and the ideal line.
-        assert_eq!(svg.matches("<polyline").count(), 3);
-        assert!(svg.contains("<title>fgd</title>"));
-        assert!(svg.contains(">best-fit</text>"));
-        assert!(svg.contains(">ideal</text>"));
+        // Each series is one polyline in its colour (and a legend sample in it).
+        assert_eq!(
+            svg.matches("<polyline fill=\"none\" opacity=\"1\" stroke=\"#D62728\"")
+                .count(),
+            2,
+            "{svg}"
+        );
+        assert_eq!(svg.matches("stroke=\"#1F77B4\"").count(), 2);
+        assert!(text.contains(">fgd</text>"), "{text}");
+        assert!(text.contains(">best-fit</text>"), "{text}");
+        assert!(text.contains(">ideal</text>"), "{text}");
         assert!(svg.contains("a &lt;title&gt; &amp; more"));
         // x ticks 0..=130 by 10, y ticks 0..=100 by 10.
-        assert!(svg.contains(">130</text>"));
-        assert_eq!(svg.matches("stroke=\"#e5e5e5\"").count(), 14 + 11);
-        // Points map to the plot area: (0, 0) is the lower left corner.
-        assert!(svg.contains(&format!("points=\"{LEFT:.1},{:.1} ", HEIGHT - BOTTOM)));
+        assert!(text.contains(">130</text>"), "{text}");
+        assert!(text.contains(">100</text>"), "{text}");
+        assert!(text.contains(">arrived</text>"), "{text}");
     }
 }

@@ -1,10 +1,11 @@
 //! Loading the cluster traces of the FGD paper (Alibaba `cluster-trace-gpu-v2023`): a node
 //! list (`sn,cpu_milli,memory_mib,gpu,model`) and a pod list (`name,cpu_milli,memory_mib,
-//! num_gpu,gpu_milli,gpu_spec,...`). Plain comma-separated text with a header line; columns are
-//! found by name, extra columns are ignored. Errors name the file, the line and the field.
+//! num_gpu,gpu_milli[,gpu_spec],...`). CSV with a header line (`csv_table`); columns are found
+//! by name, extra columns are ignored. Errors name the file, the line and the field.
 
 use std::path::{Path, PathBuf};
 
+use super::csv_table::{CsvError, CsvRow, CsvTable};
 use crate::scheduler::score::{Demand, FULL_GPU_MILLI};
 
 /// One GPU node of the cluster.
@@ -68,6 +69,12 @@ pub enum TraceError {
     },
     #[error("{}: no data lines after the header", path.display())]
     NoRows { path: PathBuf },
+    #[error("{}:{line}: {reason}", path.display())]
+    Syntax {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
 }
 
 /// Reads the node list.
@@ -87,12 +94,33 @@ fn read(path: &Path) -> Result<String, TraceError> {
     })
 }
 
+/// GPU models that some task of `pods` names in its `gpu_spec` and no node of `nodes` has,
+/// with how many tasks name each: those tasks can never be placed (a typo, or a node list and
+/// pod list from different clusters).
+pub fn unknown_models(nodes: &[TraceNode], pods: &[TracePod]) -> Vec<(String, usize)> {
+    let known: std::collections::BTreeSet<&str> = nodes
+        .iter()
+        .filter(|n| n.gpus > 0)
+        .map(|n| n.model.as_str())
+        .collect();
+    let mut unknown = std::collections::BTreeMap::<String, usize>::new();
+    for p in pods {
+        for m in &p.gpu_spec {
+            if !known.contains(m.as_str()) {
+                *unknown.entry(m.clone()).or_default() += 1;
+            }
+        }
+    }
+    unknown.into_iter().collect()
+}
+
 /// Parses a node list; `path` only names the source in errors.
 pub fn parse_nodes(text: &str, path: &Path) -> Result<Vec<TraceNode>, TraceError> {
     let table = Table::parse(
         text,
         path,
         &["sn", "cpu_milli", "memory_mib", "gpu", "model"],
+        &[],
     )?;
     let mut nodes = Vec::new();
     for row in table.rows() {
@@ -122,14 +150,9 @@ pub fn parse_pods(text: &str, path: &Path) -> Result<Vec<TracePod>, TraceError> 
     let table = Table::parse(
         text,
         path,
-        &[
-            "name",
-            "cpu_milli",
-            "memory_mib",
-            "num_gpu",
-            "gpu_milli",
-            "gpu_spec",
-        ],
+        &["name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"],
+        // Some pod lists have no model constraints at all.
+        &["gpu_spec"],
     )?;
     let mut pods = Vec::new();
     for row in table.rows() {
@@ -177,83 +200,64 @@ pub fn parse_pods(text: &str, path: &Path) -> Result<Vec<TracePod>, TraceError> 
     Ok(pods)
 }
 
-/// A header-indexed CSV text.
+/// A trace file's table with the columns a list needs located.
 struct Table {
-    path: PathBuf,
-    /// Column index of each wanted field, in the order asked.
-    columns: Vec<(&'static str, usize)>,
-    /// (1-based line number, fields) of each non-blank data line.
-    lines: Vec<(usize, Vec<String>)>,
+    csv: CsvTable,
+    /// Column index of each wanted field (`None`: an optional column the file lacks).
+    columns: Vec<(&'static str, Option<usize>)>,
 }
 
 struct Row<'a> {
     table: &'a Table,
-    line: usize,
-    fields: &'a [String],
+    row: &'a CsvRow,
 }
 
 impl Table {
-    fn parse(text: &str, path: &Path, wanted: &[&'static str]) -> Result<Table, TraceError> {
-        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        let mut lines = text
-            .lines()
-            .enumerate()
-            .map(|(i, l)| (i + 1, l.trim_end_matches('\r')))
-            .filter(|(_, l)| !l.trim().is_empty());
-        let Some((_, header)) = lines.next() else {
-            return Err(TraceError::Empty {
-                path: path.to_owned(),
-            });
-        };
-        let names: Vec<String> = split_csv(header)
-            .into_iter()
-            .map(|h| h.trim().to_ascii_lowercase())
-            .collect();
+    /// `wanted` columns must be in the header; `optional` ones may be.
+    fn parse(
+        text: &str,
+        path: &Path,
+        wanted: &[&'static str],
+        optional: &[&'static str],
+    ) -> Result<Table, TraceError> {
+        let csv = CsvTable::parse(text, path).map_err(TraceError::from)?;
         let mut columns = Vec::new();
         for &w in wanted {
-            match names.iter().position(|n| n == w) {
-                Some(i) => columns.push((w, i)),
+            match csv.column(w) {
+                Some(i) => columns.push((w, Some(i))),
                 None => {
                     return Err(TraceError::MissingColumn {
                         path: path.to_owned(),
                         column: w,
-                        header: names.join(","),
+                        header: csv.header.join(","),
                     });
                 }
             }
         }
-        Ok(Table {
-            path: path.to_owned(),
-            columns,
-            lines: lines.map(|(n, l)| (n, split_csv(l))).collect(),
-        })
+        for &o in optional {
+            columns.push((o, csv.column(o)));
+        }
+        Ok(Table { csv, columns })
     }
 
     fn rows(&self) -> impl Iterator<Item = Row<'_>> {
-        self.lines.iter().map(|(line, fields)| Row {
-            table: self,
-            line: *line,
-            fields,
-        })
+        self.csv.rows.iter().map(|row| Row { table: self, row })
     }
 }
 
 impl Row<'_> {
-    fn index(&self, field: &'static str) -> usize {
+    fn index(&self, field: &'static str) -> Option<usize> {
         self.table
             .columns
             .iter()
             .find(|(f, _)| *f == field)
-            .map(|(_, i)| *i)
             .expect("field names come from the wanted list")
+            .1
     }
 
-    /// The field's text, trimmed; a missing trailing field reads as empty.
+    /// The field's text; a missing trailing field or optional column reads as empty.
     fn text(&self, field: &'static str) -> &str {
-        self.fields
-            .get(self.index(field))
-            .map(|s| s.trim())
-            .unwrap_or("")
+        self.index(field).map_or("", |i| self.row.field(i))
     }
 
     fn number<T: std::str::FromStr>(&self, field: &'static str) -> Result<T, TraceError> {
@@ -271,34 +275,26 @@ impl Row<'_> {
 
     fn error(&self, field: &'static str, reason: String) -> TraceError {
         TraceError::Field {
-            path: self.table.path.clone(),
-            line: self.line,
+            path: self.table.csv.path.clone(),
+            line: self.row.line as usize,
             field,
             reason,
         }
     }
 }
 
-/// Splits one CSV line: commas separate fields; double quotes may enclose a field (with `""`
-/// for a quote inside).
-fn split_csv(line: &str) -> Vec<String> {
-    let mut fields = Vec::new();
-    let mut cur = String::new();
-    let mut quoted = false;
-    let mut chars = line.chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '"' if quoted && chars.peek() == Some(&'"') => {
-                cur.push('"');
-                chars.next();
-            }
-            '"' => quoted = !quoted,
-            ',' if !quoted => fields.push(std::mem::take(&mut cur)),
-            c => cur.push(c),
+impl From<CsvError> for TraceError {
+    fn from(e: CsvError) -> TraceError {
+        match e {
+            CsvError::Io { path, source } => TraceError::Io { path, source },
+            CsvError::Empty { path } => TraceError::Empty { path },
+            CsvError::Syntax { path, line, reason } => TraceError::Syntax {
+                path,
+                line: line as usize,
+                reason,
+            },
         }
     }
-    fields.push(cur);
-    fields
 }
 
 #[cfg(test)]
@@ -344,6 +340,19 @@ mod tests {
         assert_eq!(pods[3].demand().total_gpu_milli(), 8000);
     }
 
+    /// The copy of the public trace in `tests/traces/` (what README.md's commands use).
+    #[test]
+    fn the_public_trace_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/traces");
+        let nodes = load_nodes(&dir.join("openb_node_list_gpu_node.csv")).unwrap();
+        let pods = load_pods(&dir.join("openb_pod_list_default.csv")).unwrap();
+        assert_eq!(nodes.len(), 1213);
+        assert_eq!(nodes.iter().map(|n| u64::from(n.gpus)).sum::<u64>(), 6212);
+        assert_eq!(pods.len(), 8152);
+        assert!(pods.iter().any(|p| p.demand().is_share()));
+        assert_eq!(unknown_models(&nodes, &pods), vec![]);
+    }
+
     #[test]
     fn columns_are_found_by_name() {
         let pods = parse_pods(
@@ -353,6 +362,28 @@ mod tests {
         .unwrap();
         assert_eq!(pods[0].cpu_milli, 2000);
         assert_eq!(pods[0].gpu_spec, vec!["T4"]);
+    }
+
+    #[test]
+    fn gpu_spec_is_optional_and_unknown_models_are_found() {
+        let pods = parse_pods(
+            "name,cpu_milli,memory_mib,num_gpu,gpu_milli\nx,1000,100,1,500\n",
+            p(),
+        )
+        .unwrap();
+        assert!(pods[0].gpu_spec.is_empty());
+        let nodes = parse_nodes(
+            "sn,cpu_milli,memory_mib,gpu,model\nn,1000,1000,1,T4\nc,1000,1000,0,\n",
+            Path::new("nodes.csv"),
+        )
+        .unwrap();
+        let pods = parse_pods(
+            "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n\
+             a,1,1,1,1000,T4|A100\nb,1,1,1,1000,A100\nc,1,1,1,1000,T4\nd,1,1,1,1000,\n",
+            p(),
+        )
+        .unwrap();
+        assert_eq!(unknown_models(&nodes, &pods), vec![("A100".to_owned(), 2)]);
     }
 
     #[test]
@@ -414,14 +445,6 @@ mod tests {
                 .to_string()
                 .starts_with("reading /nonexistent/pods.csv: "),
             "{missing}"
-        );
-    }
-
-    #[test]
-    fn csv_quotes() {
-        assert_eq!(
-            split_csv("a,\"b,c\",\"d\"\"e\","),
-            vec!["a", "b,c", "d\"e", ""]
         );
     }
 }

@@ -11,6 +11,7 @@ use std::path::Path;
 
 use anyhow::Context;
 
+use super::csv_table::{CsvRow, CsvTable};
 use crate::scheduler::score::SplitMix64;
 use crate::state::{Gpu, GpuHealth, JobSpec, MILLI_PER_GPU, NodeSpec};
 
@@ -105,53 +106,39 @@ pub fn synthetic(n: usize, capacity_gpus: usize, load: f64, seed: u64) -> Vec<Tr
     jobs
 }
 
-/// A small CSV table: header names and rows of fields (no quoting; the trace has none).
+/// The trace's CSV (`csv_table`), with fields read by column and parse errors naming
+/// `FILE:LINE` and the field.
 struct Csv {
+    table: CsvTable,
     path: String,
-    header: Vec<String>,
-    rows: Vec<(usize, Vec<String>)>,
 }
+
+type Row = CsvRow;
 
 impl Csv {
     fn read(path: &Path) -> anyhow::Result<Csv> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let mut lines = text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty());
-        let header = lines
-            .next()
-            .with_context(|| format!("{}: empty file", path.display()))?
-            .1
-            .split(',')
-            .map(|h| h.trim().to_owned())
-            .collect();
-        let rows = lines
-            .map(|(i, l)| (i + 1, l.split(',').map(|f| f.trim().to_owned()).collect()))
-            .collect();
         Ok(Csv {
+            table: CsvTable::read(path)?,
             path: path.display().to_string(),
-            header,
-            rows,
         })
     }
 
+    fn rows(&self) -> &[Row] {
+        &self.table.rows
+    }
+
     fn column(&self, name: &str) -> anyhow::Result<usize> {
-        self.header
-            .iter()
-            .position(|h| h == name)
+        self.table
+            .column(name)
             .with_context(|| format!("{}: no column {name:?} in the header", self.path))
     }
 
     /// Field `col` of a row, parsed; `None` when empty.
-    fn get<T: std::str::FromStr>(
-        &self,
-        (line, row): &(usize, Vec<String>),
-        col: usize,
-    ) -> anyhow::Result<Option<T>> {
-        let name = &self.header[col];
+    fn get<T: std::str::FromStr>(&self, row: &Row, col: usize) -> anyhow::Result<Option<T>> {
+        let name = &self.table.header[col];
+        let line = row.line;
         let f = row
+            .fields
             .get(col)
             .with_context(|| format!("{}:{line}: field {name} missing", self.path))?;
         if f.is_empty() {
@@ -162,15 +149,11 @@ impl Csv {
             .map_err(|_| anyhow::anyhow!("{}:{line}: field {name}: cannot parse {f:?}", self.path))
     }
 
-    fn need<T: std::str::FromStr>(
-        &self,
-        row: &(usize, Vec<String>),
-        col: usize,
-    ) -> anyhow::Result<T> {
+    fn need<T: std::str::FromStr>(&self, row: &Row, col: usize) -> anyhow::Result<T> {
         self.get(row, col)?.with_context(|| {
             format!(
                 "{}:{}: field {} is empty",
-                self.path, row.0, self.header[col]
+                self.path, row.line, self.table.header[col]
             )
         })
     }
@@ -183,8 +166,8 @@ pub fn trace_nodes(path: &Path) -> anyhow::Result<Vec<NodeSpec>> {
     let [sn, cpu, mem, gpu, model] =
         ["sn", "cpu_milli", "memory_mib", "gpu", "model"].map(|c| csv.column(c));
     let (sn, cpu, mem, gpu, model) = (sn?, cpu?, mem?, gpu?, model?);
-    let mut nodes = Vec::with_capacity(csv.rows.len());
-    for row in &csv.rows {
+    let mut nodes = Vec::with_capacity(csv.rows().len());
+    for row in csv.rows() {
         let name: String = csv.need(row, sn)?;
         let model: String = csv.need(row, model)?;
         let gpus: u32 = csv.need(row, gpu)?;
@@ -246,7 +229,7 @@ pub fn trace_pods(
     let spec_col = csv.column("gpu_spec").ok();
     let mut jobs = Vec::new();
     let mut skipped = 0;
-    for row in &csv.rows {
+    for row in csv.rows() {
         let times: (Option<u64>, Option<u64>, Option<u64>) = (
             csv.get(row, created)?,
             csv.get(row, deleted)?,
@@ -263,7 +246,7 @@ pub fn trace_pods(
         let gpus: u32 = csv.need(row, num_gpu)?;
         let milli: u32 = csv.get(row, gpu_milli)?.unwrap_or(0);
         let models: Vec<String> = match spec_col {
-            Some(c) if gpus > 0 => row.1.get(c).map_or(vec![], |s| {
+            Some(c) if gpus > 0 => row.fields.get(c).map_or(vec![], |s| {
                 s.split('|')
                     .filter(|m| !m.is_empty())
                     .map(str::to_owned)

@@ -18,5 +18,6 @@ mod membership;
 mod metrics;
 mod pending_reasons;
 mod security;
+mod status_page;
 mod telemetry;
 mod util;

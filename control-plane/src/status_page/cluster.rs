@@ -26,6 +26,13 @@ pub fn render_cluster(p: &Page) -> String {
     for j in c.jobs.values() {
         *jobs.entry(j.state).or_default() += 1;
     }
+    // Defined tenants, and any other that holds GPUs (jobs may name undefined tenants
+    // until the first is defined).
+    let tenants: std::collections::BTreeSet<&String> = c
+        .tenants
+        .keys()
+        .chain(c.index.tenant_held_milli.keys())
+        .collect();
     let applied_lag = s.commit_index.saturating_sub(s.applied_index);
     let body = html! {
         h1 { "Cluster " (s.cluster) }
@@ -52,7 +59,7 @@ pub fn render_cluster(p: &Page) -> String {
         @if !s.cluster_version_pending.is_empty() { p.muted { "Cluster version not raised yet: " (s.cluster_version_pending) } }
         h2 { "Replicas" }
         table.list {
-            thead { tr { th { "id" } th { "address" } th { "role" } th { "" } th { "reachable" } th { "matched index" } th { "lag" } th { "release" } } }
+            thead { tr { th { "id" } th { "address" } th { "role" } th { "state" } th { "reachable" } th { "matched index" } th { "lag" } th { "release" } } }
             tbody { @for m in &s.members {
                 tr {
                     td { (m.id) }
@@ -94,9 +101,10 @@ pub fn render_cluster(p: &Page) -> String {
             div {
                 h2 { a href="/tenants" { "Tenants" } }
                 table.list.narrow { tbody {
-                    @for t in c.tenants.keys() {
-                        tr { th { (t) } td.num { (super::html::gpus(c.index.tenant_held_milli.get(t).copied().unwrap_or(0))) " GPUs held" } }
+                    @for t in &tenants {
+                        tr { th { (t) } td.num { (super::html::gpus(c.index.tenant_held_milli.get(*t).copied().unwrap_or(0))) " GPUs held" } }
                     }
+                    @if tenants.is_empty() { tr { td.muted { "none defined, none holding GPUs" } } }
                 } }
             }
         }

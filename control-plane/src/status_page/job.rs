@@ -82,7 +82,9 @@ fn job_body(p: &Page, job: &Job, logs: &Logs) -> Markup {
             tr { th { "asks for" } td {
                 (shape(s))
                 @if !s.gpu_models.is_empty() { " of " (s.gpu_models.join(" or ")) }
-                ", " (s.cpu_milli_per_task as f64 / 1000.0) " CPUs and " (s.memory_mib_per_task) " MiB per task"
+                @if s.cpu_milli_per_task > 0 || s.memory_mib_per_task > 0 {
+                    ", " (s.cpu_milli_per_task as f64 / 1000.0) " CPUs and " (s.memory_mib_per_task) " MiB per task"
+                }
                 @if s.single_numa { ", one NUMA node per task" }
             } }
             tr { th { "partition" } td { (s.partition.as_deref().unwrap_or("(default)")) } }
@@ -128,7 +130,7 @@ fn job_body(p: &Page, job: &Job, logs: &Logs) -> Markup {
                             @if a.gpu_milli > 0 { (gpus(u64::from(a.gpu_milli))) " of " }
                             @for (i, g) in a.gpus.iter().enumerate() { @if i > 0 { ", " } code.small { (g) } }
                         }
-                        td { (ago(a.created_at, p.view.now)) " ago" }
+                        td.nowrap { (ago(a.created_at, p.view.now)) " ago" }
                         td { @if rec.stop_requested { "stopping" } @else if rec.started { "running" } @else { "starting" } }
                     }
                 } }

@@ -77,8 +77,8 @@ pub fn render_node(p: &Page, name: &str) -> Option<String> {
                 @for v in &views {
                     tr {
                         td { (v.gpu.index) }
-                        td { (v.gpu.model) }
-                        td.num { (v.gpu.memory_mib / 1024) " GiB" }
+                        td.nowrap { (v.gpu.model) }
+                        td.num.nowrap { (v.gpu.memory_mib / 1024) " GiB" }
                         td { (v.gpu.numa_node.map_or("-".to_owned(), |n| n.to_string())) }
                         td { code { (v.gpu.pci_bus_id) } }
                         td {
@@ -108,7 +108,7 @@ pub fn render_node(p: &Page, name: &str) -> Option<String> {
                                 },
                             }
                         }
-                        td { code.small { (v.gpu.uuid) } }
+                        td.nowrap { code.small { (v.gpu.uuid) } }
                     }
                 }
             }

@@ -72,7 +72,7 @@ pub fn render_queue(p: &Page) -> String {
                             td { (shape(&j.spec)) }
                             td { (j.spec.priority_class) }
                             td.num { (ago(j.submitted_at, p.view.now)) }
-                            td.reason { @if leader { (reason) } @else { span.muted { "known to the leader" } } }
+                            td.why { @if leader { (reason) } @else { span.muted { "known to the leader" } } }
                         }
                     }
                 }

@@ -36,7 +36,7 @@ pub fn render_tenants(p: &Page) -> String {
     let body = html! {
         h1 { "Tenants" }
         @if rows.is_empty() {
-            p.muted { "No tenant yet: `gpuctl tenant put NAME --quota-gpus N` makes one (jobs of an unknown tenant are refused)." }
+            p.muted { "No tenant is defined and no job holds or waits for GPUs. `gpuctl tenant set NAME --quota N` defines one (once any is defined, jobs must name a known tenant)." }
         } @else {
             table.list {
                 thead { tr {
@@ -47,11 +47,15 @@ pub fn render_tenants(p: &Page) -> String {
                     @let t = c.tenants.get(*name);
                     @let quota = t.map_or(0, |t| u64::from(t.quota_gpus) * MILLI_PER_GPU);
                     tr {
-                        td { b { (name) } @if t.is_none() { " " span.muted { "(not defined)" } } }
+                        td { b { (name) } @if t.is_none() { " " span.muted { "(no quota defined)" } } }
                         td.num { (t.map_or("-".to_owned(), |t| t.weight.to_string())) }
                         td {
-                            @let label = format!("{} / {} GPUs", gpus(r.held_milli), gpus(quota));
-                            (bar(r.held_milli, quota, &label))
+                            @if quota == 0 {
+                                (gpus(r.held_milli)) " GPUs " span.muted { "(no quota)" }
+                            } @else {
+                                @let label = format!("{} / {} GPUs", gpus(r.held_milli), gpus(quota));
+                                (bar(r.held_milli, quota, &label))
+                            }
                             @if quota > 0 && r.held_milli > quota { " " span.muted { "(borrowing " (gpus(r.held_milli - quota)) ")" } }
                         }
                         td.num { @match t.map(|t| t.max_gpus) { Some(0) | None => "none", Some(m) => (m) } }

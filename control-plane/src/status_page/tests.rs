@@ -289,7 +289,7 @@ fn an_empty_cluster_renders_every_page_and_says_what_to_do() {
     let p = page(&empty, &st, None, Mode::Full);
     assert!(render_nodes(&p, &NodesFilter::default()).contains("No node has registered yet"));
     assert!(super::queue::render_queue(&p).contains("No job is waiting."));
-    assert!(super::tenants::render_tenants(&p).contains("No tenant yet"));
+    assert!(super::tenants::render_tenants(&p).contains("No tenant is defined"));
     assert!(
         super::cluster::render_cluster(&p).contains("<div class=\"big\">0</div><div>nodes</div>")
     );

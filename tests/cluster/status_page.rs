@@ -334,7 +334,7 @@ async fn chromium_loads_every_page_of_a_running_cluster() {
     for (path, name, height) in [
         ("/".to_owned(), "cluster", 760),
         ("/nodes".into(), "nodes", 420),
-        ("/nodes/h1".into(), "node-h1", 1100),
+        ("/nodes/h1".into(), "node-h1", 1300),
         ("/queue".into(), "queue", 520),
         (format!("/jobs/{running}"), "job", 1000),
         ("/tenants".into(), "tenants", 360),

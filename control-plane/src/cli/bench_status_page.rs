@@ -209,6 +209,7 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
         text.push_str(&format!("pages written to {}\n", dir.display()));
     }
     let json = json!({
+        "benchmark": "status-page",
         "build": build,
         "hosts": args.hosts,
         "gpus": gpus,

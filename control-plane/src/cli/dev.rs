@@ -162,7 +162,7 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
                 .collect();
             println!("  status page: {}", pages.join("  "));
             println!(
-                "             {}",
+                "               {}",
                 if args.insecure {
                     "(cluster, GPU grid, queue, jobs with their logs, tenants; any replica serves it)"
                 } else {

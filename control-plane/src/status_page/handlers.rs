@@ -145,7 +145,16 @@ async fn job_logs(s: &HttpState, id: u64) -> Logs {
         tail_bytes: LOG_TAIL_BYTES,
         ..Default::default()
     };
-    match crate::api::read_logs(&s.replica, &req, LOGS_TIMEOUT, |_| Ok(())).await {
+    // The deadline travels to the agent; this bounds the connection too (a host that does not
+    // answer at all must not hold the page).
+    let read = crate::api::read_logs(&s.replica, &req, LOGS_TIMEOUT, |_| Ok(()));
+    let Ok(read) = tokio::time::timeout(LOGS_TIMEOUT + Duration::from_secs(1), read).await else {
+        return Logs::Unavailable(format!(
+            "The job's agent did not answer within {} s; `gpuctl logs {id}` tries again.",
+            LOGS_TIMEOUT.as_secs() + 1
+        ));
+    };
+    match read {
         Ok(l) => Logs::Tail(LogTail {
             node: l.node,
             attempt: l.attempt,

@@ -55,7 +55,7 @@ pub fn page(view: &View, current: &str, title: &str, body: Markup) -> String {
                 }
                 @if view.mode != super::Mode::Full {
                     p.notice {
-                        "Summary view: job names, commands, environment and logs are withheld (authentication is on; see docs/SECURITY.md). Use gpuctl for them."
+                        "Summary view (--status-page summary): job names, commands, environment and logs are withheld, as this port is unauthenticated (docs/SECURITY.md). gpuctl shows them to whoever may see them."
                     }
                 }
                 main { (body) }
@@ -141,11 +141,11 @@ pub fn path_segment(s: &str) -> String {
 
 /// A bar that fills `part` of `whole` (a quota, a GPU), with a text label.
 pub fn bar(part: u64, whole: u64, label: &str) -> Markup {
-    let pct = if whole == 0 {
-        0
-    } else {
-        (part.saturating_mul(100) / whole).min(100)
-    };
+    let pct = part
+        .saturating_mul(100)
+        .checked_div(whole)
+        .unwrap_or(0)
+        .min(100);
     let over = whole > 0 && part > whole;
     html! {
         span.bar title=(label) {

@@ -87,7 +87,7 @@ pub fn render_node(p: &Page, name: &str) -> Option<String> {
                                 GpuHealth::Unhealthy { reason } => span.bad { "unhealthy: " (reason) },
                             }
                         }
-                        td {
+                        td.nowrap {
                             @match &v.occupancy {
                                 Occupancy::Free => span.muted { "free" },
                                 Occupancy::Whole(h) => { "job " (job_link(h.job)) " (" (h.tenant) ")" },

@@ -95,7 +95,18 @@ pub fn render_nodes(p: &Page, filter: &NodesFilter) -> String {
             host_card(node, &cells).render_to(&mut cards);
         }
     }
-    let partitions: Vec<&String> = p.cluster.partitions.keys().collect();
+    // Defined partitions and any a node names (a node may name one never defined).
+    let partitions: std::collections::BTreeSet<&String> = p
+        .cluster
+        .partitions
+        .keys()
+        .chain(
+            p.cluster
+                .nodes
+                .values()
+                .filter_map(|n| n.spec.partition.as_ref()),
+        )
+        .collect();
     let nodes = p.cluster.nodes.len();
     let body = html! {
         h1 { "Nodes" }

@@ -700,6 +700,40 @@ mod tests {
     }
 
     #[test]
+    fn the_status_page_comes_from_the_flag_or_the_file_and_auto_is_full_when_insecure() {
+        let dir = tempfile::tempdir().unwrap();
+        let insecure = |page: Option<crate::status_page::StatusPageFlag>| ReplicaArgs {
+            id: Some(1),
+            data_dir: Some(dir.path().to_owned()),
+            insecure: true,
+            status_page: page,
+            ..Default::default()
+        };
+        use crate::status_page::{Mode, StatusPageFlag};
+        assert_eq!(insecure(None).resolve().unwrap().status_page, Mode::Full);
+        assert_eq!(
+            insecure(Some(StatusPageFlag::Summary))
+                .resolve()
+                .unwrap()
+                .status_page,
+            Mode::Summary
+        );
+        let file = dir.path().join("r.toml");
+        std::fs::write(&file, "status_page = \"off\"\n").unwrap();
+        let c = ReplicaArgs {
+            config: Some(file.clone()),
+            ..insecure(None)
+        };
+        assert_eq!(c.resolve().unwrap().status_page, Mode::Off);
+        std::fs::write(&file, "status_page = \"loud\"\n").unwrap();
+        let c = ReplicaArgs {
+            config: Some(file),
+            ..insecure(None)
+        };
+        assert!(c.resolve().is_err());
+    }
+
+    #[test]
     fn unknown_keys_in_the_file_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("r.toml");

@@ -358,7 +358,8 @@ async fn a_secured_cluster_serves_no_page_by_default_and_never_commands() {
         r.metrics_addr = Some(a.to_string());
     }
     c.start_all().unwrap();
-    let leader = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap().leader;
+    // A held job (`hold_if_unfit`) needs the raised cluster version.
+    let leader = leader_status(&c).await.leader;
     let mut client = c.client().unwrap();
     let id = submit(
         &mut client,

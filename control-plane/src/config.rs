@@ -241,6 +241,12 @@ pub struct ReplicaArgs {
     /// Off unless given; off, the replica records no metrics at all.
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_listen: Option<String>,
+    /// The status page on the --metrics-listen port (`/`, `/nodes`, `/queue`, `/jobs/ID`,
+    /// `/tenants`): auto (the default) is full on an --insecure replica and off where
+    /// authentication is on; summary withholds job names, commands and logs; full is refused
+    /// with authentication on (docs/SECURITY.md).
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub status_page: Option<crate::status_page::StatusPageFlag>,
     /// `cluster add` promotes a learner once it is at most this many entries behind...
     #[arg(long, value_name = "ENTRIES")]
     pub promote_max_lag: Option<u64>,
@@ -285,6 +291,8 @@ pub struct ReplicaConfig {
     pub health_listen: Option<String>,
     /// Plaintext HTTP address for metrics and probes (`http`).
     pub metrics_listen: Option<String>,
+    /// What the status page beside the metrics shows (`status_page`).
+    pub status_page: crate::status_page::Mode,
     pub security: TransportSecurity,
     pub membership: crate::membership::MembershipSettings,
 }
@@ -423,6 +431,13 @@ impl ReplicaArgs {
                 }
             }
         };
+        let status_page = crate::status_page::Mode::resolve(
+            self.status_page
+                .or(file.status_page)
+                .unwrap_or(crate::status_page::StatusPageFlag::Auto),
+            matches!(security, TransportSecurity::Tls { .. }),
+        )
+        .map_err(anyhow::Error::msg)?;
         let audit_retention = crate::state::AuditRetention {
             max_age_ms: 1000
                 * self
@@ -527,6 +542,7 @@ impl ReplicaArgs {
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
             health_listen: self.health_listen.or(file.health_listen),
             metrics_listen: self.metrics_listen.or(file.metrics_listen),
+            status_page,
             security,
             membership: crate::membership::MembershipSettings {
                 max_lag: self
@@ -681,6 +697,40 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("not both"), "{err}");
+    }
+
+    #[test]
+    fn the_status_page_comes_from_the_flag_or_the_file_and_auto_is_full_when_insecure() {
+        let dir = tempfile::tempdir().unwrap();
+        let insecure = |page: Option<crate::status_page::StatusPageFlag>| ReplicaArgs {
+            id: Some(1),
+            data_dir: Some(dir.path().to_owned()),
+            insecure: true,
+            status_page: page,
+            ..Default::default()
+        };
+        use crate::status_page::{Mode, StatusPageFlag};
+        assert_eq!(insecure(None).resolve().unwrap().status_page, Mode::Full);
+        assert_eq!(
+            insecure(Some(StatusPageFlag::Summary))
+                .resolve()
+                .unwrap()
+                .status_page,
+            Mode::Summary
+        );
+        let file = dir.path().join("r.toml");
+        std::fs::write(&file, "status_page = \"off\"\n").unwrap();
+        let c = ReplicaArgs {
+            config: Some(file.clone()),
+            ..insecure(None)
+        };
+        assert_eq!(c.resolve().unwrap().status_page, Mode::Off);
+        std::fs::write(&file, "status_page = \"loud\"\n").unwrap();
+        let c = ReplicaArgs {
+            config: Some(file),
+            ..insecure(None)
+        };
+        assert!(c.resolve().is_err());
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! (the process answers and its Raft core runs) and `/readyz` (a ready member that knows its
 //! leader: the same verdict the gRPC health service serves, `health`).
 //!
-//! [`router`] builds the routes from [`HttpState`]; a status page or any other read-only view
-//! of the replica is one more route here, served by `node_agent::observe::serve`.
+//! [`router`] builds the routes from [`HttpState`], served by `node_agent::observe::serve`;
+//! the status page (`status_page`, unless `--status-page` makes it off) adds its own.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,14 +29,16 @@ pub struct HttpState {
     pub health: HealthSettings,
     /// How often agents heartbeat: a node silent for two intervals counts as overdue.
     pub agent_heartbeat: Duration,
+    /// What the status page shows (`--status-page`); off: its routes are not served.
+    pub status_page: crate::status_page::Mode,
 }
 
 pub fn router(state: HttpState) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .with_state(state)
+        .route("/readyz", get(readyz));
+    crate::status_page::handlers::routes(routes, state.status_page).with_state(state)
 }
 
 fn verdict(s: &HttpState) -> Verdict {

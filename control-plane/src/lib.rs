@@ -7,6 +7,7 @@
 //! - `raft/`: openraft wiring — type config, sled log store and state machine, peer network.
 //! - `api/`: gRPC services for clients and agents; validation, leader forwarding, conversions.
 //! - `replica`, `server`, `config`, `datadir`: one replica process and its data directory.
+//! - `status_page`: the HTML status page on the metrics port (cluster, GPU grid, queue, jobs).
 //! - `health`: the gRPC health protocol — readiness and liveness for probes.
 //! - `membership`: adding and removing replicas safely; what `cluster status` reports.
 //! - `client`: the client library `gpuctl` and tests use (endpoint failover, retries).
@@ -39,5 +40,6 @@ pub mod scheduler;
 pub mod server;
 pub mod sim;
 pub mod state;
+pub mod status_page;
 pub mod synthetic;
 pub mod telemetry;

@@ -180,10 +180,14 @@ pub async fn run(
                 liveness: liveness.clone(),
                 health: crate::health::HealthSettings::for_config(&config),
                 agent_heartbeat: config.leader.agent_heartbeat,
+                status_page: config.status_page,
             };
             let (bound, task) =
                 node_agent::observe::serve_on(listener, crate::http::router(state))?;
             tracing::info!(%bound, "metrics and probes on http://{bound}/metrics");
+            if config.status_page != crate::status_page::Mode::Off {
+                tracing::info!(%bound, mode = config.status_page.as_str(), "status page on http://{bound}/");
+            }
             Some((
                 task,
                 crate::metrics::spawn_leader_watch(raft.clone(), metrics.clone()),

@@ -1,4 +1,4 @@
-//! Smoke runs of `gpuctl bench scheduler` and `gpuctl bench e2e` at small sizes, so the
+//! Smoke runs of `gpuctl bench scheduler`, `status-page` and `e2e` at small sizes, so the
 //! benchmarks never rot. The end-to-end one runs both sides: three real replicas with real
 //! agent processes, and Slurm, which the benchmark installs from Debian's packages and starts
 //! itself (it needs root and apt, as CI has). The JSON on the last line must show the work
@@ -16,6 +16,21 @@ fn scheduler_pass_runs_on_every_fleet_state() {
     // On the empty fleet the pass places work; on the full one it reserves for the head job.
     assert!(rows[0]["placements"].as_u64().unwrap() > 0, "{j}");
     assert_eq!(rows[2]["reservation"], true, "{j}");
+}
+
+#[test]
+fn status_page_renders_every_page_of_a_filled_fleet() {
+    let j = bench_json(&["status-page", "--hosts", "20", "--runs", "2"]);
+    assert_eq!(j["benchmark"], "status-page");
+    assert_eq!(j["gpus"], 160, "{j}");
+    assert!(j["gpus_held"].as_u64().unwrap() >= 120, "{j}");
+    for page in ["nodes", "cluster", "queue", "tenants", "node", "job"] {
+        assert_eq!(j["pages"][page]["ms"]["n"], 2, "{page}: {j}");
+        assert!(
+            j["pages"][page]["bytes"].as_u64().unwrap() > 1000,
+            "{page}: {j}"
+        );
+    }
 }
 
 #[test]

@@ -20,5 +20,6 @@ mod metrics;
 mod pending_reasons;
 mod security;
 mod slurm_controls;
+mod status_page;
 mod telemetry;
 mod util;

@@ -11,6 +11,7 @@ mod service;
 
 pub use agent_service::{AgentService, assignments_for};
 pub use service::ControlPlaneService;
+pub(crate) use service::read_logs;
 
 /// Largest request a replica decodes; bigger messages are refused before they cost memory.
 pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;

@@ -259,6 +259,64 @@ fn agent_status(node: &str, s: Status) -> ApiError {
     }
 }
 
+/// How long a log read waits for the agent that holds the logs.
+const AGENT_LOGS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Reads a task's logs from the agent of the node it ran on, from this replica's applied
+/// state: `ReadJobLogs` (after its read barrier) and the status page's job view share it.
+/// `allowed` is asked about the job's tenant before anything is read; `timeout` bounds the
+/// agent's answer.
+pub(crate) async fn read_logs(
+    r: &Replica,
+    req: &pb::ReadJobLogsRequest,
+    timeout: Duration,
+    allowed: impl FnOnce(&str) -> Result<(), ApiError>,
+) -> Result<pb::ReadJobLogsResponse, ApiError> {
+    let (place, job_state, channel) = {
+        let data = r.sm.read();
+        let cluster = &data.cluster;
+        let tenant = job_tenant(cluster, req.job_id)
+            .ok_or_else(|| Rejection::not_found(cluster.missing_job(req.job_id)))?;
+        allowed(tenant)?;
+        let job = cluster.job(req.job_id).ok_or_else(|| {
+            Rejection::not_found(format!(
+                "job {} was archived: its record no longer names the node that ran it",
+                req.job_id
+            ))
+        })?;
+        let task = req.task.unwrap_or(0) as usize;
+        let place = locate_task(job, cluster, task, req.attempt)?;
+        let channel = agent_channel(r, cluster, &place.node)?;
+        (place, job.state.as_str(), channel)
+    };
+    let node = place.node.clone();
+    let mut agent = proto::agent::node_agent_client::NodeAgentClient::new(channel);
+    let mut call = Request::new(proto::agent::ReadLogsRequest {
+        job_id: req.job_id,
+        tail_bytes: req.tail_bytes,
+        allocation_id: place.allocation_id,
+        stdout_from: req.stdout_from,
+        stderr_from: req.stderr_from,
+    });
+    call.set_timeout(timeout);
+    let logs = agent
+        .read_logs(call)
+        .await
+        .map_err(|s| agent_status(&node, s))?
+        .into_inner();
+    Ok(pb::ReadJobLogsResponse {
+        stdout: logs.stdout,
+        stderr: logs.stderr,
+        node,
+        allocation_id: logs.allocation_id,
+        attempt: place.attempt,
+        attempts: place.attempts,
+        stdout_size: logs.stdout_size,
+        stderr_size: logs.stderr_size,
+        job_state: job_state.to_owned(),
+    })
+}
+
 /// A token's secret part: 24 random bytes in hex.
 fn random_hex(bytes: usize) -> Result<String, ApiError> {
     let mut buf = vec![0u8; bytes];
@@ -1260,49 +1318,10 @@ impl ControlPlane for ControlPlaneService {
             |caller, req| async move {
                 caller.require(Action::ReadLogs)?;
                 read_barrier(r, &None).await?;
-                let (place, job_state, channel) = {
-                    let data = r.sm.read();
-                    let cluster = &data.cluster;
-                    let tenant = job_tenant(cluster, req.job_id)
-                        .ok_or_else(|| Rejection::not_found(cluster.missing_job(req.job_id)))?;
-                    caller.require_tenant(tenant, "read the logs of jobs")?;
-                    let job = cluster.job(req.job_id).ok_or_else(|| {
-                        Rejection::not_found(format!(
-                            "job {} was archived: its record no longer names the node that ran it",
-                            req.job_id
-                        ))
-                    })?;
-                    let task = req.task.unwrap_or(0) as usize;
-                    let place = locate_task(job, cluster, task, req.attempt)?;
-                    let channel = agent_channel(r, cluster, &place.node)?;
-                    (place, job.state.as_str(), channel)
-                };
-                let node = place.node.clone();
-                let mut agent = proto::agent::node_agent_client::NodeAgentClient::new(channel);
-                let mut call = Request::new(proto::agent::ReadLogsRequest {
-                    job_id: req.job_id,
-                    tail_bytes: req.tail_bytes,
-                    allocation_id: place.allocation_id,
-                    stdout_from: req.stdout_from,
-                    stderr_from: req.stderr_from,
-                });
-                call.set_timeout(std::time::Duration::from_secs(10));
-                let logs = agent
-                    .read_logs(call)
-                    .await
-                    .map_err(|s| agent_status(&node, s))?
-                    .into_inner();
-                Ok(pb::ReadJobLogsResponse {
-                    stdout: logs.stdout,
-                    stderr: logs.stderr,
-                    node,
-                    allocation_id: logs.allocation_id,
-                    attempt: place.attempt,
-                    attempts: place.attempts,
-                    stdout_size: logs.stdout_size,
-                    stderr_size: logs.stderr_size,
-                    job_state: job_state.to_owned(),
+                read_logs(r, &req, AGENT_LOGS_TIMEOUT, |tenant| {
+                    caller.require_tenant(tenant, "read the logs of jobs")
                 })
+                .await
             },
             |ch, req| async move { ControlPlaneClient::new(ch).read_job_logs(req).await },
         )

@@ -9,6 +9,7 @@
 //! - `submit`: submission latency at fixed offered rates, open loop, through a follower and
 //!   through the leader (`bench_submit`).
 //! - `scheduler`: one scheduling pass, in process (`bench_scheduler`).
+//! - `status-page`: rendering the status page's pages, in process (`bench_status_page`).
 //! - `membership`: adding a replica to a cluster holding a large state (`bench_membership`).
 //! - `e2e`: end-to-end jobs per second on simulated hosts running real agents, side by side
 //!   with Slurm (`bench_e2e`, `bench_slurm`).
@@ -149,6 +150,25 @@ pub enum BenchCommand {
         #[arg(long, default_value = "empty,half,full", value_delimiter = ',')]
         fleets: Vec<String>,
     },
+    /// Rendering the status page (the node grid and every other page), in process, on a
+    /// synthetic fleet of 8-GPU hosts with most GPUs held (no replicas started).
+    StatusPage {
+        /// 8-GPU hosts.
+        #[arg(long, default_value_t = 1000)]
+        hosts: usize,
+        /// Renderings timed per page.
+        #[arg(long, default_value_t = 50)]
+        runs: usize,
+        /// Fraction of the GPUs held by running work.
+        #[arg(long, default_value_t = 0.9)]
+        fill: f64,
+        /// Jobs left pending (with the reasons of a scheduling pass).
+        #[arg(long, default_value_t = 200)]
+        pending: usize,
+        /// Write one rendering of each page here (nodes.html, ...), e.g. for screenshots.
+        #[arg(long, value_name = "DIR")]
+        html_dir: Option<PathBuf>,
+    },
     /// Memory of one replica's state machine with a large fleet and a long job history,
     /// finished jobs compacted by the default retention (in child processes; no replicas).
     Memory {
@@ -277,6 +297,27 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             jobs,
             runs: runs.max(1),
             fleets,
+        })?;
+        match fmt {
+            Format::Json | Format::Yaml => println!("{json}"),
+            Format::Table | Format::Wide => print!("{text}"),
+        }
+        return Ok(());
+    }
+    if let BenchCommand::StatusPage {
+        hosts,
+        runs,
+        fill,
+        pending,
+        html_dir,
+    } = command
+    {
+        let (text, json) = super::bench_status_page::run(super::bench_status_page::Args {
+            hosts,
+            runs: runs.max(1),
+            fill,
+            pending,
+            html_dir,
         })?;
         match fmt {
             Format::Json | Format::Yaml => println!("{json}"),
@@ -516,6 +557,7 @@ fn run_on_cluster(
                 Ok(Report { text, json })
             }
             BenchCommand::Scheduler { .. }
+            | BenchCommand::StatusPage { .. }
             | BenchCommand::Memory { .. }
             | BenchCommand::Membership { .. }
             | BenchCommand::E2e { .. }

@@ -58,7 +58,7 @@ fn gpus_in_use(driver: &Driver) -> usize {
 
 /// Places work until `fraction` of the GPUs are in use (or nothing more fits). Filling uses a
 /// plain pass (no backfill, no preemption): it only needs a realistic mix of running work.
-fn fill(driver: &mut Driver, fraction: f64, seed: u64) -> anyhow::Result<()> {
+pub(crate) fn fill(driver: &mut Driver, fraction: f64, seed: u64) -> anyhow::Result<()> {
     let total = driver.state.total_gpus() as f64;
     let policy = Policy {
         backfill: false,

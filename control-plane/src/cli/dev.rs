@@ -126,6 +126,12 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     if args.insecure {
         cluster.set_insecure();
+    } else if !args.no_metrics {
+        // A secured replica serves no status page unless asked; on loopback the summary
+        // (no job names, commands or logs) is safe to show.
+        cluster
+            .extra_args
+            .extend(["--status-page".into(), "summary".into()]);
     }
     cluster.agent_program = Some((exe.clone(), vec!["agent".into()]));
     for (i, preset) in args.hosts.iter().filter(|h| !h.is_empty()).enumerate() {
@@ -195,6 +201,21 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
                 }))
                 .map(|a| format!("http://{a}/metrics"))
                 .collect();
+            let pages: Vec<String> = cluster
+                .replicas
+                .values()
+                .filter_map(|r| r.metrics_addr.as_ref())
+                .map(|a| format!("http://{a}/"))
+                .collect();
+            println!("  status page: {}", pages.join("  "));
+            println!(
+                "               {}",
+                if args.insecure {
+                    "(cluster, GPU grid, queue, jobs with their logs, tenants; any replica serves it)"
+                } else {
+                    "(summary: job names, commands and logs withheld while authentication is on; see docs/SECURITY.md)"
+                }
+            );
             println!("  metrics:   {}", urls.join("  "));
             println!("             (/healthz and /readyz beside each; deploy/prometheus, deploy/grafana)");
         }

@@ -18,6 +18,7 @@ mod bench_placement;
 mod bench_rollout;
 mod bench_scheduler;
 mod bench_slurm;
+mod bench_status_page;
 mod bench_submit;
 mod bench_submit_closed;
 mod certs;

@@ -152,6 +152,9 @@ pub struct TaskUsage {
     pub gpu_peak_memory_bytes: u64,
 }
 
+// A submission carries the whole spec inline: submissions are most of what clients write, and
+// a box per submission would cost an allocation on the hot path to save stack in the rest.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
     SubmitJob {

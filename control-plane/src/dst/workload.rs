@@ -311,48 +311,29 @@ fn user_identity(tenant: &str) -> std::sync::Arc<proto::tls::PeerIdentity> {
     })
 }
 
-/// Holds, releases or requeues a job (every job of an array, by its id), retrying on another
-/// replica until the answer is final; a refusal (already released, not running yet, ended)
-/// is an answer.
-async fn change_job(
+/// Calls a replica with `rpc` (given the replica to try), moving to the leader it names or
+/// the next replica after a timeout or refusal to serve, until the call answers: `Ok`, or a
+/// refusal of the request itself (`FailedPrecondition`, `NotFound`, `InvalidArgument`: already
+/// ended, unknown, not applicable). `None` when the run stopped first.
+async fn until_answered<T, F, Fut>(
     world: &World,
-    me: Endpoint,
     mut target: NodeId,
-    id: JobId,
-    tenant: &str,
-    change: pb::change_job_request::Change,
-) {
-    let timeout = Duration::from_millis(world.params.call_timeout_ms);
+    rpc: F,
+) -> Option<Result<T, Status>>
+where
+    F: Fn(NodeId) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Status>>,
+{
     while !world.stopped() {
-        let request = pb::ChangeJobRequest {
-            id,
-            only_this_job: false,
-            change: Some(change.clone()),
-        };
-        let identity = user_identity(tenant);
-        let result = world
-            .cluster
-            .call(me, target, timeout, |r| async move {
-                r.client_api
-                    .change_job(sim_request_as(&identity, request))
-                    .await
-            })
-            .await;
-        match result {
-            Ok(resp) => {
-                let at = world.now_ms();
-                world
-                    .observer()
-                    .record(at, ("changed", id, format!("{change:?}"), resp.changed));
-                return;
-            }
+        match rpc(target).await {
+            Ok(answer) => return Some(Ok(answer)),
             Err(status)
                 if matches!(
                     status.code(),
                     Code::FailedPrecondition | Code::NotFound | Code::InvalidArgument
                 ) =>
             {
-                return;
+                return Some(Err(status));
             }
             Err(status) => {
                 target = next_target(world, target, &status);
@@ -360,51 +341,75 @@ async fn change_job(
             }
         }
     }
+    None
 }
 
+/// Holds, releases or requeues a job (every job of an array, by its id); a refusal (already
+/// released, not running yet, ended) is an answer.
+async fn change_job(
+    world: &World,
+    me: Endpoint,
+    target: NodeId,
+    id: JobId,
+    tenant: &str,
+    change: pb::change_job_request::Change,
+) {
+    let timeout = Duration::from_millis(world.params.call_timeout_ms);
+    let identity = user_identity(tenant);
+    let answer = until_answered(world, target, |target| {
+        let request = pb::ChangeJobRequest {
+            id,
+            only_this_job: false,
+            change: Some(change.clone()),
+        };
+        let identity = identity.clone();
+        world.cluster.call(me, target, timeout, |r| async move {
+            r.client_api
+                .change_job(sim_request_as(&identity, request))
+                .await
+        })
+    })
+    .await;
+    if let Some(Ok(resp)) = answer {
+        let at = world.now_ms();
+        world
+            .observer()
+            .record(at, ("changed", id, format!("{change:?}"), resp.changed));
+    }
+}
+
+/// Cancels a job; one that already ended, or is unknown, has nothing to cancel.
 async fn cancel(
     world: &World,
     me: Endpoint,
-    mut target: NodeId,
+    target: NodeId,
     id: JobId,
     tenant: &str,
     ledger: &Mutex<Ledger>,
 ) {
     let timeout = Duration::from_millis(world.params.call_timeout_ms);
-    while !world.stopped() {
+    let identity = user_identity(tenant);
+    let answer = until_answered(world, target, |target| {
         let request = pb::CancelJobRequest {
             id,
             reason: "cancelled by the simulated client".into(),
             ..Default::default()
         };
-        let identity = user_identity(tenant);
-        let result = world
-            .cluster
-            .call(me, target, timeout, |r| async move {
-                r.client_api
-                    .cancel_job(sim_request_as(&identity, request))
-                    .await
-            })
-            .await;
-        match result {
-            Ok(_) => {
-                ledger
-                    .lock()
-                    .expect("ledger lock poisoned")
-                    .cancelled
-                    .push(id);
-                let at = world.now_ms();
-                world.observer().record(at, ("cancelled", id));
-                return;
-            }
-            // Already ended, or unknown: nothing to cancel.
-            Err(status) if matches!(status.code(), Code::FailedPrecondition | Code::NotFound) => {
-                return;
-            }
-            Err(status) => {
-                target = next_target(world, target, &status);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
+        let identity = identity.clone();
+        world.cluster.call(me, target, timeout, |r| async move {
+            r.client_api
+                .cancel_job(sim_request_as(&identity, request))
+                .await
+        })
+    })
+    .await;
+    if let Some(Ok(_)) = answer {
+        ledger
+            .lock()
+            .expect("ledger lock poisoned")
+            .cancelled
+            .push(id);
+        let at = world.now_ms();
+        world.observer().record(at, ("cancelled", id));
     }
 }

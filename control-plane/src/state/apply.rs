@@ -1802,7 +1802,10 @@ pub fn share_memory_for(milli: u32, requested: u64, gpu_memory_mib: u64) -> u64 
     if requested > 0 {
         requested
     } else {
-        gpu_memory_mib * u64::from(milli) / MILLI_PER_GPU
+        // In u128: a node may report any memory size, and a product that wrapped would give
+        // the share a sliver of the GPU's memory instead of its part.
+        let part = u128::from(gpu_memory_mib) * u128::from(milli) / u128::from(MILLI_PER_GPU);
+        u64::try_from(part).unwrap_or(u64::MAX)
     }
 }
 

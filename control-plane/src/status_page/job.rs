@@ -90,6 +90,18 @@ fn job_body(p: &Page, job: &Job, logs: &Logs) -> Markup {
             tr { th { "partition" } td { (s.partition.as_deref().unwrap_or("(default)")) } }
             tr { th { "priority" } td { (s.priority_class) @if s.preemptible { ", preemptible" } } }
             tr { th { "time limit" } td { (s.time_limit_secs.map_or("none".to_owned(), |t| humantime::format_duration(std::time::Duration::from_secs(t)).to_string())) } }
+            @if let (Some(t), Some(a)) = (job.array_task, &s.array) {
+                tr { th { "array" } td {
+                    (t.array_id) "_" (t.index) ": index " (t.index) " of array " (job_link(t.array_id))
+                    " (" (t.count) " jobs, " code { (a.text()) } ")"
+                } }
+            }
+            @if job.held { tr { th { "held" } td { "yes: waits for " code { "gpuctl release " (job.id) } } } }
+            @if let Some(b) = s.begin_at { tr { th { "begins" } td { "not before " (utc(b)) } } }
+            @if !s.nodelist.is_empty() { tr { th { "node list" } td { (s.nodelist.join(", ")) } } }
+            @if !s.exclude.is_empty() { tr { th { "excluded" } td { (s.exclude.join(", ")) } } }
+            @if s.exclusive { tr { th { "exclusive" } td { "yes: its nodes run nothing else" } } }
+            @if let Some(e) = job.exit { tr { th { "exit code" } td { (e.code) ":" (e.signal) } } }
             @if !s.dependencies.is_empty() {
                 tr { th { "after" } td {
                     @for (i, d) in s.dependencies.iter().enumerate() {

@@ -729,7 +729,7 @@ impl ClusterState {
             }
             JobChange::Requeue { reason } => {
                 let reason = if reason.is_empty() {
-                    "requeued by user"
+                    "asked by the user"
                 } else {
                     reason
                 };
@@ -742,10 +742,21 @@ impl ClusterState {
                     if let Some(job) = self.jobs.get_mut(&id) {
                         job.yielded_to = None;
                     }
-                    self.transition(id, JobState::Pending, reason, at, index);
+                    self.transition(
+                        id,
+                        JobState::Pending,
+                        &format!("requeued: {reason}"),
+                        at,
+                        index,
+                    );
                 } else {
+                    // Its tasks are asked to stop; the job goes back to the queue, with this
+                    // reason, once they have (no history entry until then: a running job's
+                    // history has one `running` entry per run).
                     self.stop_and_requeue(id, reason, None);
-                    note(self, format!("requeue asked: {reason}"));
+                    if let Some(job) = self.jobs.get_mut(&id) {
+                        job.version = index;
+                    }
                 }
             }
             JobChange::Cancel { reason } => {

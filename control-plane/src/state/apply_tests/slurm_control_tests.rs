@@ -212,7 +212,7 @@ fn requeue_stops_a_running_job_and_queues_a_finished_one_again() {
             .last()
             .unwrap()
             .reason
-            .contains("requeued by user"),
+            .contains("requeued: asked by the user"),
         "{:?}",
         h.job(id).history
     );

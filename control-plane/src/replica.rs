@@ -73,6 +73,9 @@ pub struct Replica {
     pub pending_reasons: std::sync::RwLock<Option<Arc<crate::scheduler::Board>>>,
     /// Prometheus series (`metrics`); disabled unless `--metrics-listen` is given.
     pub metrics: Arc<crate::metrics::ReplicaMetrics>,
+    /// The leader's soft state about services: the replicas' autoscaling gauges as agents
+    /// report them with heartbeats, and what the autoscaler last decided. Never in the log.
+    pub services: Arc<crate::leader::services::ServiceSoftState>,
 }
 
 /// Holds `Replica::membership_busy` for one change; clears it when dropped.
@@ -187,6 +190,7 @@ impl Replica {
             membership_busy: Mutex::new(None),
             pending_reasons: std::sync::RwLock::new(None),
             metrics: Arc::new(crate::metrics::ReplicaMetrics::disabled()),
+            services: Arc::new(crate::leader::services::ServiceSoftState::default()),
         }
     }
 

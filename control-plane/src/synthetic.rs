@@ -26,6 +26,7 @@ pub fn node_from_preset(
         agent_release: String::new(),
         enforcement: String::new(),
         container_runtime: String::new(),
+        service_ports: None,
         name: host.to_owned(),
         gpus: inv
             .gpus

@@ -69,6 +69,11 @@ pub fn node_spec_from_proto(req: pa::RegisterNodeRequest) -> NodeSpec {
         agent_release: req.agent_release,
         enforcement: req.enforcement,
         container_runtime: req.container_runtime,
+        // A range the wire cannot hold as ports is no range (validation refuses it by name).
+        service_ports: req.service_ports.map(|r| crate::state::PortRange {
+            first: u16::try_from(r.first).unwrap_or(0),
+            last: u16::try_from(r.last).unwrap_or(0),
+        }),
         name: req.name,
         gpus: req
             .gpus
@@ -141,6 +146,13 @@ pub fn report_command(req: pa::AllocationReport, with_usage: bool) -> Result<Com
     let allocation = req.allocation_id;
     let outcome = match Event::try_from(req.event) {
         Ok(Event::Started) => return Ok(Command::AllocationStarted { allocation }),
+        Ok(e @ (Event::Ready | Event::NotReady)) => {
+            return Ok(Command::ReplicaReadiness {
+                allocation,
+                ready: e == Event::Ready,
+                reason: req.reason,
+            });
+        }
         Ok(Event::Succeeded) => TaskOutcome::Succeeded,
         Ok(Event::Failed) => TaskOutcome::Failed {
             exit_code: req.has_exit_code.then_some(req.exit_code),
@@ -214,6 +226,18 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
                 }),
                 stdout_path: job.spec.stdout_path.clone().unwrap_or_default(),
                 stderr_path: job.spec.stderr_path.clone().unwrap_or_default(),
+                ports: job
+                    .spec
+                    .ports
+                    .iter()
+                    .zip(&r.allocation.ports)
+                    .map(|(name, port)| pa::NamedPort {
+                        name: name.clone(),
+                        port: u32::from(*port),
+                    })
+                    .collect(),
+                start_after_ms: r.allocation.start_after.unwrap_or(0),
+                replica: replica_info(cluster, job, &r.allocation),
                 ..array_fields(job)
             })
         })
@@ -223,6 +247,58 @@ pub fn assignments_for(cluster: &ClusterState, node: &str, term: u64) -> pa::Ass
         epoch: cluster.last_allocation_id,
         allocations,
     }
+}
+
+/// What an agent needs to know of a service's replica: which it is, its probes (with the
+/// ports they name resolved to the allocation's host ports) and the autoscaler's gauge.
+fn replica_info(
+    cluster: &ClusterState,
+    job: &crate::state::Job,
+    allocation: &crate::state::Allocation,
+) -> Option<pa::ReplicaInfo> {
+    use crate::state::{Probe, ProbeCheck};
+    let r = job.replica.as_ref()?;
+    let service = cluster.services.get(&r.service);
+    let template = service.and_then(|s| s.revision_template(r.revision));
+    let port_of = |name: &str| {
+        job.spec
+            .ports
+            .iter()
+            .position(|p| p == name)
+            .and_then(|i| allocation.ports.get(i))
+            .map_or(0, |p| u32::from(*p))
+    };
+    let probe = |p: &Probe| pa::ProbeSpec {
+        check: Some(match &p.check {
+            ProbeCheck::Http { port, path } => pa::probe_spec::Check::Http(pa::HttpCheck {
+                port: port_of(port),
+                path: path.clone(),
+            }),
+            ProbeCheck::Tcp { port } => pa::probe_spec::Check::TcpPort(port_of(port)),
+            ProbeCheck::Exec { command } => pa::probe_spec::Check::Exec(pa::ExecCheck {
+                command: command.clone(),
+            }),
+        }),
+        initial_delay_ms: p.initial_delay_ms,
+        period_ms: p.period_ms,
+        timeout_ms: p.timeout_ms,
+        failure_threshold: p.failure_threshold,
+        success_threshold: p.success_threshold,
+    };
+    Some(pa::ReplicaInfo {
+        service: r.service.clone(),
+        ordinal: r.ordinal,
+        revision: r.revision,
+        readiness: template.and_then(|t| t.readiness.as_ref()).map(probe),
+        liveness: template.and_then(|t| t.liveness.as_ref()).map(probe),
+        metric: service
+            .and_then(|s| s.spec.autoscale.as_ref())
+            .map(|a| pa::MetricScrape {
+                port: port_of(&a.port),
+                path: a.path.clone(),
+                metric: a.metric.clone(),
+            }),
+    })
 }
 
 /// The job-array fields of an assignment (all zero for a job outside an array): the array's
@@ -386,6 +462,24 @@ impl AgentApi for AgentService {
                     ))
                     .into());
                 }
+                if !req.replica_metrics.is_empty() {
+                    // Only gauges of the node's own allocations count: an agent speaks for
+                    // its node alone.
+                    let data = r.sm.read_async().await;
+                    let own: Vec<pa::ReplicaMetric> = req
+                        .replica_metrics
+                        .iter()
+                        .filter(|m| {
+                            data.cluster
+                                .allocations
+                                .get(&m.allocation_id)
+                                .is_some_and(|a| a.allocation.node == req.node)
+                        })
+                        .cloned()
+                        .collect();
+                    drop(data);
+                    r.services.record_metrics(&own, r.now_ms());
+                }
                 Ok(pa::HeartbeatResponse {
                     term: r.raft.metrics().borrow().current_term,
                     lease_ms: config.node_lease.as_millis() as u64,
@@ -490,8 +584,9 @@ impl AgentApi for AgentService {
                     Outcome::Done => {
                         // Counted where the entry was written (the leader), once per report
                         // that changed the state: a retried report answers NotFound below.
+                        use pa::allocation_report::Event as E;
                         if let Some(e) =
-                            event.filter(|e| *e != pa::allocation_report::Event::Started)
+                            event.filter(|e| !matches!(e, E::Started | E::Ready | E::NotReady))
                         {
                             r.metrics
                                 .task_exit(node_agent::agent::metrics::exit_kind(e));

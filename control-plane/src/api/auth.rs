@@ -379,10 +379,12 @@ pub enum Action {
     ReadAudit,
     /// Copy the whole replicated state (token hashes and audit trail included) for a backup.
     SaveBackup,
+    /// Create, change, scale, roll back or delete long-running services.
+    ManageServices,
 }
 
 impl Action {
-    pub const ALL: [Action; 13] = [
+    pub const ALL: [Action; 14] = [
         Action::SubmitJob,
         Action::CancelJob,
         Action::ChangeJobs,
@@ -396,6 +398,7 @@ impl Action {
         Action::ManageTokens,
         Action::ReadAudit,
         Action::SaveBackup,
+        Action::ManageServices,
     ];
 
     pub fn describe(self) -> &'static str {
@@ -415,6 +418,7 @@ impl Action {
             Action::ManageTokens => "manage tokens (create, list, revoke)",
             Action::ReadAudit => "read the audit trail",
             Action::SaveBackup => "save a backup of the cluster's state",
+            Action::ManageServices => "create, change, scale or delete services",
         }
     }
 }
@@ -431,7 +435,14 @@ pub fn allowed(role: ApiRole, action: Action) -> bool {
         ),
         ApiRole::User => matches!(
             action,
-            SubmitJob | CancelJob | ChangeJobs | ReadJobs | ReadLogs | ReadCluster | ReadAudit
+            SubmitJob
+                | CancelJob
+                | ChangeJobs
+                | ReadJobs
+                | ReadLogs
+                | ReadCluster
+                | ReadAudit
+                | ManageServices
         ),
     }
 }

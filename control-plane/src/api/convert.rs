@@ -97,6 +97,7 @@ pub fn job_spec_from_proto(spec: Option<pb::JobSpec>) -> Result<JobSpec, Rejecti
         begin_at: (spec.begin_at_ms > 0).then_some(spec.begin_at_ms),
         hold: spec.hold,
         array: spec.array.as_ref().map(array_spec_from_proto),
+        ports: spec.ports,
     })
 }
 
@@ -204,6 +205,7 @@ pub fn job_spec_to_proto(spec: &JobSpec) -> pb::JobSpec {
         begin_at_ms: spec.begin_at.unwrap_or(0),
         hold: spec.hold,
         array: spec.array.as_ref().map(array_spec_to_proto),
+        ports: spec.ports.clone(),
     }
 }
 
@@ -219,6 +221,8 @@ pub fn allocation_to_proto(a: &state::Allocation) -> pb::Allocation {
         gpu_milli: a.gpu_milli,
         gpu_memory_mib: a.gpu_memory_mib,
         enforcement: String::new(),
+        ports: a.ports.iter().map(|p| u32::from(*p)).collect(),
+        start_after_ms: a.start_after.unwrap_or(0),
     }
 }
 
@@ -272,6 +276,15 @@ pub fn job_to_proto(job: &state::Job, cluster: &ClusterState) -> pb::Job {
             signal: e.signal,
         }),
         attempts: job.attempts.len() as u32,
+        replica: job.replica.as_ref().map(|r| pb::ReplicaOf {
+            service: r.service.clone(),
+            ordinal: r.ordinal,
+            revision: r.revision,
+            ready: r.ready,
+            restarts: r.restarts,
+            failures: r.failures,
+            last_exit: r.last_exit.clone().unwrap_or_default(),
+        }),
     }
 }
 
@@ -328,6 +341,7 @@ pub fn archived_job_to_proto(job: &state::ArchivedJob) -> pb::Job {
         array_task: None,
         exit: None,
         attempts: 0,
+        replica: None,
     }
 }
 
@@ -389,6 +403,11 @@ pub fn node_to_proto(node: &state::Node, cluster: &ClusterState) -> pb::Node {
         agent_release: node.spec.agent_release.clone(),
         enforcement: node.spec.enforcement.clone(),
         container_runtime: node.spec.container_runtime.clone(),
+        service_ports: node
+            .spec
+            .service_ports
+            .map(|r| format!("{}-{}", r.first, r.last))
+            .unwrap_or_default(),
     }
 }
 
@@ -483,6 +502,7 @@ pub fn registration_from_spec(spec: &state::NodeSpec) -> proto::agent::RegisterN
         // They start no process, so there is nothing to confine.
         enforcement: "unenforced: a simulated host in process, with no workloads".into(),
         container_runtime: String::new(),
+        service_ports: None,
     }
 }
 
@@ -552,6 +572,7 @@ mod tests {
                 }],
                 max_running: 8,
             }),
+            ports: vec!["http".into(), "metrics".into()],
         };
         let back = job_spec_from_proto(Some(job_spec_to_proto(&spec))).unwrap();
         assert_eq!(back, spec);

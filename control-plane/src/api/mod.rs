@@ -6,8 +6,10 @@ pub mod agent_service;
 pub mod auth;
 mod backup;
 pub mod convert;
+pub mod convert_service;
 pub mod route;
 mod service;
+mod services;
 
 pub use agent_service::{AgentService, assignments_for};
 pub use service::ControlPlaneService;

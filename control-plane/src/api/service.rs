@@ -46,7 +46,10 @@ fn unexpected(outcome: Outcome) -> ApiError {
     }
 }
 
-async fn read_barrier(replica: &Replica, read: &Option<pb::ReadOptions>) -> Result<(), ApiError> {
+pub(super) async fn read_barrier(
+    replica: &Replica,
+    read: &Option<pb::ReadOptions>,
+) -> Result<(), ApiError> {
     if read.as_ref().is_some_and(|r| r.stale) {
         return Ok(());
     }
@@ -418,7 +421,7 @@ fn job_change_from_proto(
 
 const MAX_REASON_BYTES: usize = 1024;
 
-fn validate_reason(reason: &str) -> Result<(), Rejection> {
+pub(super) fn validate_reason(reason: &str) -> Result<(), Rejection> {
     if reason.len() > MAX_REASON_BYTES {
         return Err(Rejection::invalid(
             "reason",
@@ -454,6 +457,54 @@ type JobEventStream = Pin<Box<dyn Stream<Item = Result<pb::JobEvent, Status>> + 
 
 #[tonic::async_trait]
 impl ControlPlane for ControlPlaneService {
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.PutService")]
+    async fn put_service(
+        &self,
+        request: Request<pb::PutServiceRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        super::services::put_service(&self.replica, request).await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.ScaleService")]
+    async fn scale_service(
+        &self,
+        request: Request<pb::ScaleServiceRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        super::services::scale_service(&self.replica, request).await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.DeleteService")]
+    async fn delete_service(
+        &self,
+        request: Request<pb::DeleteServiceRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        super::services::delete_service(&self.replica, request).await
+    }
+
+    #[tracing::instrument(level = "info", skip_all, name = "rpc.ServiceRollout")]
+    async fn service_rollout(
+        &self,
+        request: Request<pb::ServiceRolloutRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        super::services::service_rollout(&self.replica, request).await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all, name = "rpc.GetService")]
+    async fn get_service(
+        &self,
+        request: Request<pb::GetServiceRequest>,
+    ) -> Result<Response<pb::Service>, Status> {
+        super::services::get_service(&self.replica, request).await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all, name = "rpc.ListServices")]
+    async fn list_services(
+        &self,
+        request: Request<pb::ListServicesRequest>,
+    ) -> Result<Response<pb::ListServicesResponse>, Status> {
+        super::services::list_services(&self.replica, request).await
+    }
+
     #[tracing::instrument(level = "info", skip_all, name = "rpc.SubmitJob")]
     async fn submit_job(
         &self,

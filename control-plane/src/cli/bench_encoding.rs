@@ -39,7 +39,7 @@ use crate::state::{self, ClusterState, Command, Request};
 ///   Batch batch = 14; CreateToken create_token = 15; RevokeToken revoke_token = 16;
 ///   AuditNote audit_note = 17; CompactAudit compact_audit = 18;
 ///   SetClusterVersion set_cluster_version = 19; Attributed attributed = 20;
-///   ChangeJobs change_jobs = 21; } }
+///   ChangeJobs change_jobs = 21; string service_command = 22; } }
 /// message JobSpec { string tenant = 1; string name = 2; repeated string command = 3;
 ///   uint32 gpus_per_task = 4; uint32 tasks = 5; repeated string gpu_models = 6;
 ///   optional string partition = 7; string priority_class = 8; optional uint64 time_limit_secs = 9;
@@ -113,6 +113,10 @@ pub mod pb {
         Attributed(Attributed),
         #[prost(message, tag = "21")]
         ChangeJobs(ChangeJobs),
+        /// A service command, as its JSON (a few per rollout or restart: their size does not
+        /// matter to the figures).
+        #[prost(string, tag = "22")]
+        ServiceCommand(String),
     }
 
     /// `ChangeJobs`: the jobs, and the change as its JSON (operators' commands, a few per day:
@@ -774,6 +778,13 @@ pub fn command_to(c: &Command) -> pb::Command {
             jobs: jobs.clone(),
             change_json: serde_json::to_string(change).unwrap_or_default(),
         }),
+        Command::PutService { .. }
+        | Command::ScaleService { .. }
+        | Command::DeleteService { .. }
+        | Command::ServiceRollout { .. }
+        | Command::ReplicaReadiness { .. } => {
+            K::ServiceCommand(serde_json::to_string(c).unwrap_or_default())
+        }
         Command::Attributed { actor, command } => K::Attributed(pb::Attributed {
             actor: Some(pb::Actor {
                 principal: actor.principal.clone(),
@@ -894,6 +905,7 @@ fn node_from(s: pb::NodeSpec) -> Result<state::NodeSpec, String> {
         agent_release: s.agent_release,
         enforcement: s.enforcement,
         container_runtime: String::new(),
+        service_ports: None,
     })
 }
 
@@ -1048,6 +1060,9 @@ pub fn command_from(c: pb::Command) -> Result<Command, String> {
             jobs: c.jobs,
             change: serde_json::from_str(&c.change_json).map_err(|e| format!("change: {e}"))?,
         },
+        K::ServiceCommand(json) => {
+            serde_json::from_str(&json).map_err(|e| format!("service command: {e}"))?
+        }
         K::Attributed(a) => {
             let actor = a.actor.ok_or_else(|| missing("actor"))?;
             Command::Attributed {

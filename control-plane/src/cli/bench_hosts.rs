@@ -390,6 +390,7 @@ async fn heartbeat(api: &AgentEndpoints, host: &Host, counters: &FleetCounters) 
         // The control plane does not read it; the allocations these hosts "run" end at once.
         running: Vec::new(),
         incarnation: host.registration.incarnation.clone(),
+        replica_metrics: Vec::new(),
     };
     let answer = api
         .call(Duration::from_secs(2), |mut c| {

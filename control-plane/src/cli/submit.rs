@@ -133,6 +133,11 @@ pub struct SubmitArgs {
     /// placed beside it while it runs.
     #[arg(long)]
     pub exclusive: bool,
+    /// A named host port for each task, from its node's range (repeatable): the task finds it
+    /// in `PORT` (the first) and `GPUCP_PORT_<NAME>`. Placed only on nodes whose agents hand
+    /// out ports (`--service-ports`).
+    #[arg(long = "port", value_name = "NAME")]
+    pub ports: Vec<String>,
     /// Write the job's stdout to this file on the host that runs it (sbatch's `-o`; `-o` is
     /// gpuctl's output format). `%j` job id, `%t` task, `%N` node, `%x` job name, `%%` a `%`;
     /// relative to the working directory. `gpuctl logs` still reads it.
@@ -358,6 +363,7 @@ pub fn build_request(mut args: SubmitArgs) -> anyhow::Result<pb::SubmitJobReques
             begin_at_ms,
             hold: args.hold,
             array,
+            ports: args.ports,
         }),
         idempotency_key: args.idempotency_key.unwrap_or_else(generated_key),
     })

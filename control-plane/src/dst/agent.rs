@@ -246,6 +246,7 @@ impl Agent {
             node: self.spec.name.clone(),
             running: self.procs.keys().copied().collect(),
             incarnation: self.incarnation_id(),
+            replica_metrics: Vec::new(),
         };
         let sent = Instant::now();
         let timeout = self.call_timeout();

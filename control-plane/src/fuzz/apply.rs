@@ -548,6 +548,12 @@ impl Gen {
                     .collect(),
                 max_running: r.below(4) as u32,
             }),
+            ports: match r.below(16) {
+                0 => vec!["http".into()],
+                1 => vec!["http".into(), "metrics".into()],
+                2 => vec!["9bad".into()],
+                _ => Vec::new(),
+            },
         }
     }
 

@@ -124,6 +124,7 @@ pub fn node_spec(k: usize) -> NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
         container_runtime: String::new(),
+        service_ports: None,
         name: name.into(),
         gpus,
         cpu_milli: 64_000,

@@ -11,6 +11,7 @@
 
 pub mod cluster_version;
 pub mod liveness;
+pub mod services;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,6 +74,7 @@ pub fn spawn(
                 }
                 if leading {
                     liveness.start_term(term);
+                    replica.services.start_term();
                     tracing::info!(term, "leading: starting scheduling and liveness loops");
                     let loops = tokio::spawn(leader_loops(
                         replica.clone(),
@@ -109,6 +111,7 @@ async fn leader_loops(
     let mut last_liveness_check = Instant::now();
     let mut last_compaction = Instant::now();
     let mut last_version_check: Option<Instant> = None;
+    let mut last_service_tick = Instant::now();
     let mut version_wait: Option<String> = None;
     // How long to let changes land before the next pass: a pass that proposed something is
     // followed at once (more work is likely placeable); after one that found nothing to do,
@@ -168,6 +171,12 @@ async fn leader_loops(
                 _ => last_compaction = Instant::now(),
             }
         }
+        if last_service_tick.elapsed() >= SERVICE_TICK_INTERVAL {
+            last_service_tick = Instant::now();
+            if let Err(ApiError::NotLeader { .. }) = services::tick(&replica).await {
+                return;
+            }
+        }
         if last_version_check.is_none_or(|t| t.elapsed() >= VERSION_CHECK_INTERVAL) {
             last_version_check = Some(Instant::now());
             match cluster_version::raise_when_due(&replica, &mut version_wait).await {
@@ -178,6 +187,9 @@ async fn leader_loops(
         }
     }
 }
+
+/// How often the leader runs the services' autoscalers and checks their rollouts' deadlines.
+const SERVICE_TICK_INTERVAL: Duration = Duration::from_millis(1_000);
 
 /// How often the leader checks whether the cluster version can be raised: after the last
 /// replica of a rolling upgrade restarts, within a second of its first answer.

@@ -32,6 +32,8 @@ pub enum Filter {
     Excluded,
     Partition,
     Container,
+    /// Hands out no host ports, and the task asks for named ports.
+    NoPorts,
     Model,
     MigProfile,
     TooFewGpus,
@@ -56,6 +58,7 @@ impl Filter {
             Filter::Excluded => "excluded",
             Filter::Partition => "other partition",
             Filter::Container => "no container engine",
+            Filter::NoPorts => "no service ports",
             Filter::Model => "other GPU model",
             Filter::MigProfile => "no such MIG profile",
             Filter::TooFewGpus => "too few GPUs",
@@ -78,6 +81,7 @@ impl Filter {
                 | Filter::NotListed
                 | Filter::Excluded
                 | Filter::Container
+                | Filter::NoPorts
                 | Filter::Model
                 | Filter::MigProfile
                 | Filter::TooFewGpus
@@ -186,6 +190,9 @@ pub fn capacity_of(node: &Node, shape: &Shape) -> Result<u32, Filter> {
     }
     if shape.container && spec.container_runtime.is_empty() {
         return Err(Filter::Container);
+    }
+    if shape.ports && spec.service_ports.is_none() {
+        return Err(Filter::NoPorts);
     }
     if shape.gpus > 0 {
         let model_ok =

@@ -32,6 +32,8 @@ pub struct Shape {
     pub single_numa: bool,
     /// Runs in a container: only nodes with a container engine hold it.
     pub container: bool,
+    /// Asks for named host ports: only nodes that hand out ports hold it.
+    pub ports: bool,
     /// Nodes it may use (`--nodelist`; empty: any), sorted.
     pub only_nodes: Vec<String>,
     /// Nodes it never uses (`--exclude`), sorted.
@@ -56,6 +58,7 @@ impl Shape {
             partition: spec.partition.clone(),
             single_numa: spec.single_numa,
             container: spec.container.is_some(),
+            ports: !spec.ports.is_empty(),
             only_nodes: spec.nodelist.clone(),
             excluded_nodes: spec.exclude.clone(),
             exclusive: spec.exclusive,
@@ -163,6 +166,9 @@ pub fn evaluate_node(
         return None;
     }
     if shape.container && node.spec.container_runtime.is_empty() {
+        return None;
+    }
+    if shape.ports && node.spec.service_ports.is_none() {
         return None;
     }
     if shape.has_node_rules()

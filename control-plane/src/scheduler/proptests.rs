@@ -300,6 +300,7 @@ fn node_spec(i: usize, g: &NodeGen) -> NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
         container_runtime: String::new(),
+        service_ports: None,
         name,
         gpus,
         cpu_milli: if g.big_host { 128_000 } else { 32_000 },
@@ -1333,6 +1334,7 @@ fn build_queue_state(c: &QueueCase) -> Sim {
         agent_release: String::new(),
         enforcement: String::new(),
         container_runtime: String::new(),
+        service_ports: None,
         name: "big".into(),
         gpus: (0..16)
             .map(|k| Gpu {
@@ -1743,6 +1745,7 @@ fn plain_node(name: &str, gpus: u32, rack: Option<&str>) -> NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
         container_runtime: String::new(),
+        service_ports: None,
         name: name.into(),
         gpus: (0..gpus)
             .map(|k| Gpu {

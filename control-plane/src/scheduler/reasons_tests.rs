@@ -45,6 +45,7 @@ impl World {
             agent_release: String::new(),
             enforcement: String::new(),
             container_runtime: String::new(),
+            service_ports: None,
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {

@@ -63,6 +63,7 @@ impl World {
             agent_release: String::new(),
             enforcement: String::new(),
             container_runtime: String::new(),
+            service_ports: None,
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
@@ -392,6 +393,7 @@ impl World {
             agent_release: String::new(),
             enforcement: String::new(),
             container_runtime: String::new(),
+            service_ports: None,
             name: name.into(),
             gpus,
             cpu_milli: 64_000,

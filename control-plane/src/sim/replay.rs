@@ -578,6 +578,7 @@ mod tests {
                 agent_release: String::new(),
                 enforcement: String::new(),
                 container_runtime: String::new(),
+                service_ports: None,
                 name: format!("n{n}"),
                 gpus: (0..gpus)
                     .map(|i| Gpu {

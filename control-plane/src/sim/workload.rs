@@ -175,6 +175,7 @@ pub fn trace_nodes(path: &Path) -> anyhow::Result<Vec<NodeSpec>> {
             agent_release: String::new(),
             enforcement: String::new(),
             container_runtime: String::new(),
+            service_ports: None,
             gpus: (0..gpus)
                 .map(|i| Gpu {
                     uuid: format!("GPU-{name}-{i}"),

@@ -26,6 +26,7 @@ impl ClusterState {
             ),
             single => self.apply_one(single, at, index, &mut changed),
         };
+        self.reconcile_touched_services(at, index, &mut changed);
         changed.append(&mut self.cascaded);
         changed.sort_unstable();
         changed.dedup();
@@ -143,6 +144,23 @@ impl ClusterState {
             Command::ChangeJobs { jobs, change } => {
                 self.change_jobs(jobs, change, at, index, changed)
             }
+            Command::PutService { spec, create_only } => {
+                self.put_service(spec, *create_only, at, index)
+            }
+            Command::ScaleService {
+                service,
+                replicas,
+                reason,
+            } => self.scale_service(service, *replicas, reason, at, index),
+            Command::DeleteService { service } => self.delete_service(service, at, index),
+            Command::ServiceRollout { service, action } => {
+                self.service_rollout(service, action, at, index)
+            }
+            Command::ReplicaReadiness {
+                allocation,
+                ready,
+                reason,
+            } => self.replica_readiness(*allocation, *ready, reason, at, index, changed),
             Command::Attributed { actor, command } => match **command {
                 Command::Batch { .. } | Command::Attributed { .. } => Outcome::Rejected(
                     Rejection::invalid("command", "an attributed command holds one plain command"),
@@ -422,7 +440,7 @@ impl ClusterState {
     }
 
     /// Adds one pending job (a submission, or one job of an array) with the next id.
-    fn create_job(
+    pub(super) fn create_job(
         &mut self,
         spec: &JobSpec,
         key: Option<&str>,
@@ -457,6 +475,7 @@ impl ClusterState {
             held: spec.hold,
             array_task,
             exit: None,
+            replica: None,
         };
         self.jobs.insert(id, job);
         self.index.pending.insert(id);
@@ -513,7 +532,7 @@ impl ClusterState {
         .then(|| Rejection::not_found(format!("node {name} has no GPU {}", validate::shown(gpu))))
     }
 
-    fn cancel(
+    pub(super) fn cancel(
         &mut self,
         id: JobId,
         reason: &str,
@@ -601,6 +620,17 @@ impl ClusterState {
             return Some(Rejection::not_found(self.missing_job(id)));
         };
         let precondition = |m: String| Some(Rejection::precondition(m));
+        if let Some(r) = &job.replica
+            && matches!(
+                change,
+                JobChange::Hold | JobChange::Release | JobChange::Update(_)
+            )
+        {
+            return precondition(format!(
+                "job {id} is replica {} of service {}: change the service instead (gpuctl service update, scale)",
+                r.ordinal, r.service
+            ));
+        }
         match change {
             JobChange::Hold if job.state != JobState::Pending => precondition(format!(
                 "job {id} is {}: only a pending job can be held",
@@ -992,6 +1022,22 @@ impl ClusterState {
                 }
             }
         }
+        if !job.spec.ports.is_empty() {
+            for (name, count) in &tasks_per_node {
+                let want = job.spec.ports.len() * *count as usize;
+                let ranged = self.nodes.get(*name).and_then(|n| n.spec.service_ports);
+                if ranged.is_none() {
+                    return Err(format!(
+                        "node {name} hands out no ports (its agent has no --service-ports)"
+                    ));
+                }
+                if self.free_ports(name, want, &[]).is_none() {
+                    return Err(format!(
+                        "node {name} has fewer than {want} service ports free"
+                    ));
+                }
+            }
+        }
         for task in &p.tasks {
             let node = self
                 .nodes
@@ -1183,12 +1229,47 @@ impl ClusterState {
     }
 
     fn commit_placement(&mut self, term: u64, p: &JobPlacement, at: Timestamp, index: u64) {
+        self.commit_placement_with(term, p, at, index, PlacementExtras::default());
+    }
+
+    /// Commits a placement that `check_placement` accepted, with what a restart in place adds.
+    pub(super) fn commit_placement_with(
+        &mut self,
+        term: u64,
+        p: &JobPlacement,
+        at: Timestamp,
+        index: u64,
+        extras: PlacementExtras,
+    ) {
         let mut ids = Vec::with_capacity(p.tasks.len());
         let Some(job) = self.jobs.get(&p.job) else {
             return;
         };
         let spec = job.spec.clone();
+        // Ports given out by this placement so far, per node (tasks of a gang may share one).
+        let mut taken: std::collections::BTreeMap<&str, Vec<u16>> = Default::default();
         for task in &p.tasks {
+            let ports = if spec.ports.is_empty() {
+                Vec::new()
+            } else {
+                let mine = taken.entry(task.node.as_str()).or_default();
+                let keep = extras
+                    .ports
+                    .as_ref()
+                    .filter(|ports| ports.len() == spec.ports.len())
+                    .filter(|ports| {
+                        let used = self.ports_in_use(&task.node);
+                        ports.iter().all(|p| !used.contains(p) && !mine.contains(p))
+                    });
+                let ports = match keep {
+                    Some(ports) => ports.clone(),
+                    None => self
+                        .free_ports(&task.node, spec.ports.len(), mine)
+                        .unwrap_or_default(),
+                };
+                mine.extend(&ports);
+                ports
+            };
             self.last_allocation_id += 1;
             let id = self.last_allocation_id;
             let (gpu_milli, gpu_memory_mib) = if spec.is_share() {
@@ -1220,6 +1301,8 @@ impl ClusterState {
                 created_at: at,
                 gpu_milli,
                 gpu_memory_mib,
+                ports,
+                start_after: extras.start_after,
             };
             index_allocation(&mut self.index, &self.jobs, &allocation, true);
             self.allocations.insert(
@@ -1252,8 +1335,29 @@ impl ClusterState {
             self.refresh_node_free(node);
         }
         let nodes: Vec<&str> = p.tasks.iter().map(|t| t.node.as_str()).collect();
-        let reason = format!("placed on {}", nodes.join(","));
+        let reason = extras
+            .reason
+            .unwrap_or_else(|| format!("placed on {}", nodes.join(",")));
         self.transition(p.job, JobState::Scheduled, &reason, at, index);
+    }
+
+    /// Host ports held by the live allocations on `node`.
+    fn ports_in_use(&self, node: &str) -> std::collections::BTreeSet<u16> {
+        self.allocations_on(node)
+            .flat_map(|r| r.allocation.ports.iter().copied())
+            .collect()
+    }
+
+    /// The lowest `count` ports of `node`'s range that no live allocation holds and that are
+    /// not in `also_taken`; `None` when the range has fewer free.
+    fn free_ports(&self, node: &str, count: usize, also_taken: &[u16]) -> Option<Vec<u16>> {
+        let range = self.nodes.get(node)?.spec.service_ports?;
+        let used = self.ports_in_use(node);
+        let free: Vec<u16> = (range.first..=range.last)
+            .filter(|p| !used.contains(p) && !also_taken.contains(p))
+            .take(count)
+            .collect();
+        (free.len() == count).then_some(free)
     }
 
     fn allocation_started(
@@ -1325,9 +1429,28 @@ impl ClusterState {
             job.usage.get_or_insert_with(JobUsage::default).add(u);
         }
         let remaining = job.allocations.len();
+        if let Some(r) = &job.replica {
+            // The service may now reuse the ordinal, or must restart or replace the copy.
+            self.touched_services.push(r.service.clone());
+        }
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return Outcome::Done;
+        };
         if job.state.is_final() {
             // Cancelled (or otherwise ended) earlier; this exit only frees the GPUs.
             return Outcome::Done;
+        }
+        // A service's replica that exited on its own is started again; lost or stopped on
+        // request, it follows the job's ending like any job (requeued, or ended).
+        if job.replica.is_some()
+            && job.ending.is_none()
+            && remaining == 0
+            && matches!(
+                outcome,
+                TaskOutcome::Succeeded | TaskOutcome::Failed { .. } | TaskOutcome::TimedOut
+            )
+        {
+            return self.restart_replica(job_id, &rec, outcome, at, index);
         }
         // The first failing task's status is the job's (sacct's ExitCode); format 2.
         if let TaskOutcome::Failed {
@@ -1552,7 +1675,14 @@ impl ClusterState {
     }
 
     /// Moves a job to `state`; a job that ends fails the dependents it leaves unsatisfiable.
-    fn transition(&mut self, id: JobId, state: JobState, reason: &str, at: Timestamp, index: u64) {
+    pub(super) fn transition(
+        &mut self,
+        id: JobId,
+        state: JobState,
+        reason: &str,
+        at: Timestamp,
+        index: u64,
+    ) {
         if self.set_state(id, state, reason, at, index) {
             let mut failed = Vec::new();
             self.fail_unsatisfiable_dependents(id, at, index, &mut failed);
@@ -1581,6 +1711,14 @@ impl ClusterState {
             state,
             reason: reason.to_owned(),
         });
+        if let Some(r) = job.replica.as_mut() {
+            // Ready only while it runs; its service reconsiders it whenever it changes.
+            if state != JobState::Running {
+                r.ready = false;
+            }
+            self.touched_services.push(r.service.clone());
+            super::service_apply::trim_replica_history(job);
+        }
         if was == JobState::Pending && state != JobState::Pending {
             self.index.pending.remove(&id);
             for dep in &job.spec.dependencies {
@@ -1752,6 +1890,17 @@ impl ClusterState {
         {
             return Ok("lower priority, preemptible");
         }
+        // A service below its minimum replicas takes room from preemptible batch work of no
+        // higher priority (an online service outranks the training that shares its fleet).
+        if v.spec.preemptible
+            && v.replica.is_none()
+            && priority_rank(&v.spec.priority_class)
+                <= priority_rank(&preemptor.spec.priority_class)
+            && (victim_borrowing || preemptor_within_guarantee)
+            && self.service_below_minimum(preemptor)
+        {
+            return Ok("a service below its minimum replicas");
+        }
         // Quota reclaim: the preemptor's tenant is within its guarantee and the victim's tenant
         // holds more than its own, i.e. runs on borrowed capacity.
         if !same_tenant
@@ -1775,7 +1924,22 @@ impl ClusterState {
     }
 }
 
-fn describe_failure(exit_code: Option<i32>, signal: Option<i32>, reason: &str) -> String {
+/// What a restart in place (a service's replica) adds to a placement.
+#[derive(Debug, Default)]
+pub(super) struct PlacementExtras {
+    /// Not to be started before this leader time (the replica's back-off).
+    pub start_after: Option<Timestamp>,
+    /// The ports it had, kept when still free (a replica keeps its endpoint across restarts).
+    pub ports: Option<Vec<u16>>,
+    /// The history entry's reason instead of "placed on NODE".
+    pub reason: Option<String>,
+}
+
+pub(super) fn describe_failure(
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    reason: &str,
+) -> String {
     let mut parts = Vec::new();
     if let Some(c) = exit_code {
         parts.push(format!("exit code {c}"));

@@ -28,6 +28,7 @@ fn node(name: &str, gpus: u32, model: &str) -> NodeBuilder {
             agent_release: String::new(),
             enforcement: String::new(),
             container_runtime: String::new(),
+            service_ports: None,
             name: name.into(),
             gpus: (0..gpus)
                 .map(|i| Gpu {
@@ -1587,6 +1588,8 @@ fn a_batch_inside_a_batch_is_refused_and_changes_nothing() {
     assert!(matches!(&outcomes[..], [Outcome::Rejected(r)] if r.message.contains("another batch")));
     assert_unchanged(&before, &h.state, "nested batch");
 }
+/// Services: replicas, restarts, rollouts, scaling (`service_apply.rs`).
+mod service_tests;
 /// Arrays, holds, begin times, requeue, update, node lists, exclusive nodes.
 mod slurm_control_tests;
 /// The cluster version and what it gates (`format.rs`).

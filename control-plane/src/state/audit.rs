@@ -109,6 +109,17 @@ impl ClusterState {
             Command::CreateToken { token } => (format!("token {}", token.id), None),
             Command::RevokeToken { id, .. } => (format!("token {id}"), None),
             Command::AuditNote { target, .. } => (target.clone(), None),
+            Command::PutService { spec, .. } => (format!("service {}", spec.key()), None),
+            Command::ScaleService { service, .. }
+            | Command::DeleteService { service }
+            | Command::ServiceRollout { service, .. } => (format!("service {service}"), None),
+            Command::ReplicaReadiness { allocation, .. } => {
+                let job = job_of(allocation);
+                (
+                    job.map_or(format!("allocation {allocation}"), |j| format!("job {j}")),
+                    job,
+                )
+            }
             Command::Place { .. }
             | Command::CompactJobs { .. }
             | Command::CompactAudit { .. }
@@ -131,7 +142,8 @@ impl ClusterState {
             Command::RegisterNode { spec } => Some(spec.name.as_str()),
             Command::SetGpuHealth { node, .. } => Some(node.as_str()),
             Command::AllocationStarted { allocation }
-            | Command::AllocationExited { allocation, .. } => self
+            | Command::AllocationExited { allocation, .. }
+            | Command::ReplicaReadiness { allocation, .. } => self
                 .allocations
                 .get(allocation)
                 .map(|r| r.allocation.node.as_str()),

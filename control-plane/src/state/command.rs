@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::access::TokenRecord;
 use super::audit::{Actor, AuditRetention};
 use super::format::{self, FormatVersion};
+use super::service::ServiceSpec;
 use super::types::{
     AllocationId, GpuHealth, JobId, JobRetention, JobSpec, NodeSpec, NodeStatus, Partition, Tenant,
     Timestamp,
@@ -114,6 +115,29 @@ impl JobChange {
             JobChange::Requeue { .. } => "requeue",
             JobChange::Cancel { .. } => "cancel",
             JobChange::Update(_) => "update",
+        }
+    }
+}
+
+/// What `Command::ServiceRollout` does to a service's rollout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RolloutAction {
+    /// Stop replacing replicas (an operator, or the leader when the rollout made no progress
+    /// within its deadline).
+    Pause { reason: String },
+    /// Go on replacing replicas; the progress deadline counts afresh.
+    Resume,
+    /// Go back to an earlier revision's template (the one before the current by default):
+    /// replicas of the current revision are replaced by copies of that one.
+    Undo { to_revision: Option<u64> },
+}
+
+impl RolloutAction {
+    pub fn verb(&self) -> &'static str {
+        match self {
+            RolloutAction::Pause { .. } => "pause",
+            RolloutAction::Resume => "resume",
+            RolloutAction::Undo { .. } => "undo",
         }
     }
 }
@@ -279,6 +303,35 @@ pub enum Command {
         actor: Actor,
         command: Box<Command>,
     },
+    /// Create a service, or change one: a changed replica template is a new revision, which
+    /// a rolling update brings to every replica; other settings take effect at once. With
+    /// `create_only`, an existing service of that name is refused. Introduced by format 2, as
+    /// are the service commands below.
+    PutService {
+        spec: Box<ServiceSpec>,
+        #[serde(default)]
+        create_only: bool,
+    },
+    /// Set how many replicas a service keeps (a person, or the leader's autoscaler).
+    ScaleService {
+        service: String,
+        replicas: u32,
+        reason: String,
+    },
+    /// Stop every replica of a service, then forget it.
+    DeleteService {
+        service: String,
+    },
+    ServiceRollout {
+        service: String,
+        action: RolloutAction,
+    },
+    /// A node's agent says a replica's readiness probe now passes, or no longer does.
+    ReplicaReadiness {
+        allocation: AllocationId,
+        ready: bool,
+        reason: String,
+    },
 }
 
 impl Command {
@@ -340,6 +393,11 @@ impl Command {
             // holds or arrays: a format-1 replica would run such a job differently.
             Command::SubmitJob { spec, .. } if spec.needs_format_2() => 2,
             Command::ChangeJobs { .. } => 2,
+            Command::PutService { .. }
+            | Command::ScaleService { .. }
+            | Command::DeleteService { .. }
+            | Command::ServiceRollout { .. }
+            | Command::ReplicaReadiness { .. } => 2,
             _ => format::LEGACY,
         }
     }
@@ -382,6 +440,11 @@ impl Command {
             Command::CompactAudit { .. } => "compact_audit",
             Command::SetClusterVersion { .. } => "set_cluster_version",
             Command::ChangeJobs { .. } => "change_jobs",
+            Command::PutService { .. } => "put_service",
+            Command::ScaleService { .. } => "scale_service",
+            Command::DeleteService { .. } => "delete_service",
+            Command::ServiceRollout { .. } => "service_rollout",
+            Command::ReplicaReadiness { .. } => "replica_readiness",
             Command::Attributed { command, .. } => command.kind(),
         }
     }
@@ -476,6 +539,33 @@ impl fmt::Display for Command {
             Command::Attributed { actor, command } => {
                 write!(f, "{command} (by {} from {})", actor.principal, actor.from)
             }
+            Command::PutService { spec, create_only } => write!(
+                f,
+                "{} service={} replicas={}",
+                if *create_only { "create" } else { "put" },
+                spec.key(),
+                spec.replicas
+            ),
+            Command::ScaleService {
+                service,
+                replicas,
+                reason,
+            } => write!(
+                f,
+                "scale service={service} replicas={replicas} reason={reason:?}"
+            ),
+            Command::DeleteService { service } => write!(f, "delete service={service}"),
+            Command::ServiceRollout { service, action } => {
+                write!(f, "rollout {} service={service}", action.verb())
+            }
+            Command::ReplicaReadiness {
+                allocation,
+                ready,
+                reason,
+            } => write!(
+                f,
+                "readiness alloc={allocation} ready={ready} reason={reason:?}"
+            ),
         }
     }
 }
@@ -560,6 +650,12 @@ pub enum Outcome {
         refused: Vec<(JobId, String)>,
     },
     Rejected(Rejection),
+    /// A service command: the service's key and its current revision.
+    ServiceChanged {
+        service: String,
+        revision: u64,
+        created: bool,
+    },
     /// The outcome of each command of a `Command::Batch`, in order.
     Batch(Vec<Outcome>),
 }

@@ -16,6 +16,9 @@ pub mod free;
 #[cfg(test)]
 mod proptests;
 mod retention;
+pub mod service;
+mod service_apply;
+pub mod service_plan;
 pub mod types;
 pub mod validate;
 
@@ -28,10 +31,14 @@ pub use apply::{priority_rank, share_memory_for, share_memory_mib};
 pub use audit::{Actor, AuditRecord, AuditRetention};
 pub use command::{
     Command, JobChange, JobPlacement, JobUpdate, Outcome, RejectKind, Rejection, Request,
-    TaskOutcome, TaskPlacement, TaskUsage,
+    RolloutAction, TaskOutcome, TaskPlacement, TaskUsage,
 };
 pub use cow_map::CowMap;
 pub use retention::spec_fingerprint;
+pub use service::{
+    Autoscale, Ordinal, Probe, ProbeCheck, ReplicaOf, ReplicaTemplate, RestartPolicy, RolloutPhase,
+    RolloutStrategy, Service, ServiceSpec, service_key,
+};
 pub use types::*;
 
 /// Extra per-allocation bookkeeping that only the state machine needs.
@@ -87,6 +94,10 @@ pub struct ClusterState {
     /// in state written before versions existed.
     #[serde(default, skip_serializing_if = "format::ClusterVersion::is_legacy")]
     pub cluster_version: format::ClusterVersion,
+    /// Long-running services by key (`tenant/name`), format 2. Their replicas are jobs
+    /// (`Job::replica`); see `service`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub services: BTreeMap<String, service::Service>,
     /// Derived indexes, rebuilt from the data above after a snapshot is loaded
     /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
     #[serde(skip)]
@@ -95,6 +106,10 @@ pub struct ClusterState {
     /// applies and handed to watchers with the rest. Always empty between commands.
     #[serde(skip)]
     cascaded: Vec<JobId>,
+    /// Services whose settings or replicas a command changed, reconciled once the entry has
+    /// applied (`service_apply`). Always empty between entries.
+    #[serde(skip)]
+    touched_services: Vec<String>,
 }
 
 /// Lookups the scheduler and `apply` need on every pass, so neither scans every job or
@@ -152,6 +167,8 @@ pub fn hardware_class(spec: &NodeSpec) -> u64 {
     // Whether it runs containers: container jobs fit only where it does, so two nodes that
     // differ in it are not interchangeable for placement.
     spec.container_runtime.is_empty().hash(&mut h);
+    // Whether it hands out ports: tasks asking for ports fit only where it does.
+    spec.service_ports.is_some().hash(&mut h);
     h.finish()
 }
 
@@ -188,8 +205,10 @@ impl ClusterState {
             last_audit_seq: self.last_audit_seq,
             audit_retention: self.audit_retention,
             cluster_version: self.cluster_version,
+            services: self.services.clone(),
             index: Indexes::default(),
             cascaded: Vec::new(),
+            touched_services: Vec::new(),
         }
     }
 
@@ -475,7 +494,50 @@ impl ClusterState {
                 ));
             }
         }
+        self.check_services()?;
         self.check_archive()
+    }
+
+    /// Each service's live copies are replica jobs of it at their ordinals, and every replica
+    /// job that has not fully stopped is one of its service's copies.
+    fn check_services(&self) -> Result<(), String> {
+        for (key, s) in &self.services {
+            if *key != s.key() {
+                return Err(format!("service {} is stored under {key}", s.key()));
+            }
+            for (ordinal, id) in &s.replicas {
+                let job = self
+                    .jobs
+                    .get(id)
+                    .ok_or_else(|| format!("service {key} lists missing job {id}"))?;
+                match &job.replica {
+                    Some(r) if r.service == *key && r.ordinal == *ordinal => {}
+                    _ => {
+                        return Err(format!(
+                            "service {key} lists job {id} at ordinal {ordinal}, which is not that replica"
+                        ));
+                    }
+                }
+            }
+        }
+        for job in self.jobs.values() {
+            let Some(r) = &job.replica else { continue };
+            let stopped = job.state.is_final() && job.allocations.is_empty();
+            if stopped {
+                continue;
+            }
+            let listed = self
+                .services
+                .get(&r.service)
+                .and_then(|s| s.replicas.get(&r.ordinal));
+            if listed != Some(&job.id) {
+                return Err(format!(
+                    "job {} is live replica {} of service {} but the service lists {listed:?}",
+                    job.id, r.ordinal, r.service
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -48,6 +48,7 @@ fn fleet_node(k: usize) -> NodeSpec {
         agent_release: String::new(),
         enforcement: String::new(),
         container_runtime: String::new(),
+        service_ports: None,
         name: name.into(),
         gpus: (0..count)
             .map(|i| Gpu {

@@ -96,6 +96,32 @@ pub struct NodeSpec {
     /// (cgroupfs)"); empty: none, so container jobs are not placed on it. Format 2.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub container_runtime: String,
+    /// Host ports the node hands out to tasks that ask for named ports (service replicas),
+    /// as the agent's `--service-ports` says; `None`: such tasks are not placed on it.
+    /// Format 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_ports: Option<PortRange>,
+}
+
+/// An inclusive range of host ports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    pub fn len(&self) -> usize {
+        usize::from(self.last.saturating_sub(self.first)) + usize::from(self.last >= self.first)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn contains(&self, port: u16) -> bool {
+        (self.first..=self.last).contains(&port)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -200,6 +226,10 @@ pub struct JobSpec {
     /// consecutive ids; the first is the array's id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub array: Option<ArraySpec>,
+    /// Named host ports each task gets from its node's range (`PORT`, `GPUCP_PORT_<NAME>`):
+    /// what a service replica listens on. Format 2.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<String>,
 }
 
 /// The indices of a job array and how many of its tasks may run at once.
@@ -283,7 +313,7 @@ pub struct ArrayTask {
     pub count: u32,
 }
 
-fn is_false(b: &bool) -> bool {
+pub(crate) fn is_false(b: &bool) -> bool {
     !*b
 }
 
@@ -344,6 +374,7 @@ impl JobSpec {
             || self.begin_at.is_some()
             || self.hold
             || self.array.is_some()
+            || !self.ports.is_empty()
     }
 
     pub fn total_gpus(&self) -> u64 {
@@ -477,6 +508,10 @@ pub struct Job {
     /// exited since it was last placed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit: Option<JobExit>,
+    /// Set when the job is a replica of a service (format 2): it is restarted when it exits
+    /// and ends only when the service stops it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<super::service::ReplicaOf>,
 }
 
 /// A job's exit status (Slurm's `ExitCode` `code:signal`).
@@ -565,6 +600,13 @@ pub struct Allocation {
     /// For a share: the GPU memory it may use (MiB).
     #[serde(default)]
     pub gpu_memory_mib: u64,
+    /// Host ports given to the task, one per name of its job's `ports`, in order (format 2).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
+    /// Not to be started before this leader time: a replica restarting after a back-off
+    /// (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_after: Option<Timestamp>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

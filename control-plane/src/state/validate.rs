@@ -282,6 +282,7 @@ pub fn validate_job_spec(spec: &JobSpec) -> Result<(), Rejection> {
     if let Some(array) = &spec.array {
         validate_array(array)?;
     }
+    super::service::validate_ports(&spec.ports)?;
     if spec.env.len() > MAX_ENV_VARS {
         return Err(Rejection::invalid(
             "env",
@@ -454,6 +455,17 @@ pub fn validate_idempotency_key(key: &str) -> Result<(), Rejection> {
 
 pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), Rejection> {
     validate_name("node.name", &spec.name)?;
+    if let Some(r) = spec.service_ports
+        && (r.first == 0 || r.first > r.last)
+    {
+        return Err(Rejection::invalid(
+            "node.service_ports",
+            format!(
+                "{}-{} is not a range of ports (1 to 65535, first <= last)",
+                r.first, r.last
+            ),
+        ));
+    }
     if spec.gpus.len() > MAX_GPUS_PER_NODE as usize {
         return Err(Rejection::invalid(
             "node.gpus",

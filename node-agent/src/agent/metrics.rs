@@ -143,6 +143,8 @@ pub fn exit_kind(event: pa::allocation_report::Event) -> &'static str {
         Event::Lost => "lost",
         Event::Stopped => "stopped",
         Event::Started => "started",
+        Event::Ready => "ready",
+        Event::NotReady => "not_ready",
         Event::Unspecified => "unknown",
     }
 }

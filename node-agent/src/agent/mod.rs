@@ -323,6 +323,7 @@ impl Agent {
             agent_release: RELEASE.to_owned(),
             enforcement: self.enforcement.clone(),
             container_runtime: self.container_runtime.clone(),
+            service_ports: None,
         }
     }
 
@@ -1032,6 +1033,7 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
                 node: agent.config.name.clone(),
                 running,
                 incarnation: agent.incarnation.clone(),
+                replica_metrics: Vec::new(),
             };
             match control
                 .call(interval.max(Duration::from_millis(200)), |mut c| {

@@ -194,6 +194,9 @@ pub fn select(
     // lower-priority preemptible work, or work of a tenant that borrows beyond its quota while
     // the head's tenant is within its guarantee.
     let head_rank = priority_rank(&head.spec.priority_class);
+    // A replica of a service below its minimum may also stop preemptible batch work of its own
+    // class (`check_preemption_of`'s service rule).
+    let restoring_service = state.service_below_minimum(head);
     let reclaiming = state.tenants.get(&head.spec.tenant).is_some_and(|t| {
         state.gpu_milli_held_by_tenant(&t.name) + head.spec.total_gpu_milli()
             <= u64::from(t.quota_gpus) * MILLI_PER_GPU
@@ -224,7 +227,10 @@ pub fn select(
                 // Cheapest facts first (the walk copied them from the job): the priority and
                 // the tenant are strings on the heap, and most running jobs are not
                 // preemptible.
-                let lower = a.preemptible && priority_rank(&job.spec.priority_class) < head_rank;
+                let rank = priority_rank(&job.spec.priority_class);
+                let lower = a.preemptible
+                    && (rank < head_rank
+                        || (restoring_service && rank == head_rank && job.replica.is_none()));
                 let allowed = id != head.id
                     && if lower {
                         // The exact rule refuses a job that is final, holds nothing or is

@@ -10,6 +10,9 @@
 //!   24 h half-life, plus what running allocations have used so far, plus an estimate for what
 //!   this pass has already given it), then submission order within the tenant.
 //!
+//! - A replica of a service below its minimum replicas is queued one level above its class
+//!   (at most level 2), ahead of batch work of its own class.
+//!
 //! Pure: the order depends only on the state and `now`, so a new leader serves the same queue
 //! in the same order (invariant 4).
 
@@ -161,7 +164,14 @@ impl<'a> Queue<'a> {
                 continue;
             }
             let since = eligible_since(state, job);
-            by_level[level(job, since, now, aging_step_ms) as usize].push((since, job));
+            let mut lvl = level(job, since, now, aging_step_ms);
+            // A replica of a service below its minimum goes ahead of the batch work of its own
+            // class (never past a higher class, nor into the aged level): an online service
+            // that lost replicas is restored first, by preemption if it must.
+            if lvl + 1 < AGED_LEVEL && job.replica.is_some() && state.service_below_minimum(job) {
+                lvl += 1;
+            }
+            by_level[lvl as usize].push((since, job));
         }
         // Usage per tenant: decayed finished usage plus what running allocations used so far.
         let mut usage: BTreeMap<&'a str, f64> = BTreeMap::new();

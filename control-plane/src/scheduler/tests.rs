@@ -1211,3 +1211,56 @@ fn a_preempted_job_stops_standing_aside_after_the_yield_limit() {
 
 /// Holds, begin times, array limits, node lists and exclusive nodes in the pass.
 mod slurm_rules_tests;
+
+/// A service below its minimum replicas is restored first: its replica goes ahead of batch
+/// work of its own class and may stop preemptible batch work of that class, which a batch job
+/// of the same class never may.
+#[test]
+fn a_service_below_its_minimum_preempts_preemptible_batch_work_of_its_class() {
+    use crate::state::{ReplicaTemplate, RestartPolicy, RolloutStrategy, ServiceSpec};
+    let mut w = World::new();
+    w.apply(Command::SetClusterVersion { version: 2 });
+    w.node("n", 2, "A100", "", None);
+    let batch = w.submit(JobSpec {
+        preemptible: true,
+        ..job(2)
+    });
+    w.schedule();
+    let spec = ServiceSpec {
+        tenant: "t".into(),
+        name: "web".into(),
+        template: ReplicaTemplate {
+            job: JobSpec {
+                name: "web".into(),
+                ..job(1)
+            },
+            readiness: None,
+            liveness: None,
+        },
+        replicas: 1,
+        strategy: RolloutStrategy::default(),
+        restart: RestartPolicy::default(),
+        autoscale: None,
+    };
+    assert!(matches!(
+        w.apply(Command::PutService {
+            spec: Box::new(spec),
+            create_only: true,
+        }),
+        Outcome::ServiceChanged { .. }
+    ));
+    // A batch job of the same class waits too: the replica, below its minimum, goes first.
+    let later = w.submit(job(1));
+    let replica = w.state.services["t/web"].replicas[&0];
+    let order = queue_order(&w.state, w.now());
+    assert_eq!(order, vec![replica, later]);
+    let plan = plan(&w.state, w.now());
+    assert_eq!(
+        plan.preemptions,
+        vec![crate::scheduler::Preemption {
+            for_job: replica,
+            victims: vec![batch],
+        }]
+    );
+    assert_eq!(w.preempt(&plan), vec![batch]);
+}

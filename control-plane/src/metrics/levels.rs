@@ -22,6 +22,48 @@ pub struct Levels {
     pub free_gpus: f64,
     /// Of that, what the expected workload could not use (FGD's measure, `scheduler::frag`).
     pub fragmented_gpus: f64,
+    /// Per service (`tenant/name`): its replicas and rollout, see [`ServiceLevels`].
+    pub services: BTreeMap<String, ServiceLevels>,
+}
+
+/// One service's replicas as a scrape reports them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceLevels {
+    pub desired: u64,
+    /// Live copies (placed, pending or stopping).
+    pub live: u64,
+    pub ready: u64,
+    /// Live copies running the current revision.
+    pub updated: u64,
+    pub crash_looping: u64,
+    /// Restarts of its live copies, summed (each copy counts from its creation).
+    pub restarts: u64,
+    /// 1 while its rollout is paused.
+    pub paused: bool,
+}
+
+/// Every service's levels, from its live copies (a few per service: no job scan).
+pub fn service_levels(state: &ClusterState) -> BTreeMap<String, ServiceLevels> {
+    state
+        .services
+        .iter()
+        .map(|(key, s)| {
+            let mut l = ServiceLevels {
+                desired: u64::from(s.spec.replicas),
+                paused: matches!(s.rollout, crate::state::RolloutPhase::Paused { .. }),
+                ..Default::default()
+            };
+            for job in s.replicas.values().filter_map(|j| state.jobs.get(j)) {
+                let Some(r) = &job.replica else { continue };
+                l.live += 1;
+                l.ready += u64::from(r.ready);
+                l.updated += u64::from(r.revision == s.revision && !job.state.is_final());
+                l.crash_looping += u64::from(r.crash_looping(&s.spec.restart));
+                l.restarts += u64::from(r.restarts);
+            }
+            (key.clone(), l)
+        })
+        .collect()
 }
 
 pub fn levels(state: &ClusterState) -> Levels {
@@ -71,6 +113,7 @@ pub fn levels(state: &ClusterState) -> Levels {
     let (free, fragmented) = crate::scheduler::fleet_fragmentation(state);
     l.free_gpus = free;
     l.fragmented_gpus = fragmented;
+    l.services = service_levels(state);
     l
 }
 
@@ -214,5 +257,52 @@ mod tests {
             placed.fragmented_gpus > 0.0 && placed.fragmented_gpus <= 2.0,
             "{placed:?}"
         );
+    }
+
+    /// A service's replicas as a scrape counts them: desired, live, placed-and-ready.
+    #[test]
+    fn service_levels_count_desired_live_and_ready_replicas() {
+        use crate::state::{ReplicaTemplate, RestartPolicy, RolloutStrategy, ServiceSpec};
+        use crate::synthetic::{Driver, node_from_preset};
+        let mut d = Driver::new(1_000);
+        d.apply(&Command::SetClusterVersion { version: 2 });
+        let spec = node_from_preset("dgx-h100", "n1", None, BTreeMap::new()).unwrap();
+        d.apply(&Command::RegisterNode { spec });
+        let template = crate::state::JobSpec {
+            tenant: "t0".into(),
+            name: "web".into(),
+            command: vec!["serve".into()],
+            gpus_per_task: 1,
+            tasks: 1,
+            priority_class: "normal".into(),
+            ..Default::default()
+        };
+        d.apply(&Command::PutService {
+            spec: Box::new(ServiceSpec {
+                tenant: "t0".into(),
+                name: "web".into(),
+                template: ReplicaTemplate {
+                    job: template,
+                    readiness: None,
+                    liveness: None,
+                },
+                replicas: 2,
+                strategy: RolloutStrategy::default(),
+                restart: RestartPolicy::default(),
+                autoscale: None,
+            }),
+            create_only: true,
+        });
+        let plan = crate::scheduler::plan(&d.state, d.now);
+        d.apply(&Command::Place {
+            term: 1,
+            placements: plan.placements,
+        });
+        let first = d.state.services["t0/web"].replicas[&0];
+        let allocation = d.state.jobs[&first].allocations[0];
+        d.apply(&Command::AllocationStarted { allocation });
+        let l = &levels(&d.state).services["t0/web"];
+        assert_eq!((l.desired, l.live, l.ready, l.updated), (2, 2, 1, 2));
+        assert!(!l.paused);
     }
 }

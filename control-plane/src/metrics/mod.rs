@@ -62,6 +62,9 @@ pub struct ReplicaMetrics {
     pub gpus: Family<Labels, Gauge>,
     pub free_gpus: FloatGauge,
     pub fragmented_gpus: FloatGauge,
+    pub service_replicas: Family<Labels, Gauge>,
+    pub service_restarts: Family<Labels, Gauge>,
+    pub service_rollout_paused: Family<Labels, Gauge>,
 }
 
 impl ReplicaMetrics {
@@ -109,6 +112,9 @@ impl ReplicaMetrics {
             gpus: Family::default(),
             free_gpus: FloatGauge::default(),
             fragmented_gpus: FloatGauge::default(),
+            service_replicas: Family::default(),
+            service_restarts: Family::default(),
+            service_rollout_paused: Family::default(),
         };
         if !enabled {
             return m;
@@ -242,6 +248,21 @@ impl ReplicaMetrics {
             "Free GPU capacity the expected workload could not use (FGD fragmentation), in GPUs",
             m.fragmented_gpus.clone(),
         );
+        r.register(
+            "service_replicas",
+            "Replicas of each service by state: desired, live, ready, updated (at the current revision), crash_looping",
+            m.service_replicas.clone(),
+        );
+        r.register(
+            "service_replica_restarts",
+            "Restarts of each service's live replicas, summed",
+            m.service_restarts.clone(),
+        );
+        r.register(
+            "service_rollout_paused",
+            "1 while a service's rollout is paused (by a person, a crash-looping new revision, or its progress deadline)",
+            m.service_rollout_paused.clone(),
+        );
         m.registry = r;
         m
     }
@@ -342,6 +363,31 @@ impl ReplicaMetrics {
         }
         self.free_gpus.set(l.free_gpus);
         self.fragmented_gpus.set(l.fragmented_gpus);
+        self.service_replicas.clear();
+        self.service_restarts.clear();
+        self.service_rollout_paused.clear();
+        for (service, s) in &l.services {
+            for (state, n) in [
+                ("desired", s.desired),
+                ("live", s.live),
+                ("ready", s.ready),
+                ("updated", s.updated),
+                ("crash_looping", s.crash_looping),
+            ] {
+                self.service_replicas
+                    .get_or_create(&vec![
+                        ("service", service.clone()),
+                        ("state", state.to_owned()),
+                    ])
+                    .set(n as i64);
+            }
+            self.service_restarts
+                .get_or_create(&vec![("service", service.clone())])
+                .set(s.restarts as i64);
+            self.service_rollout_paused
+                .get_or_create(&vec![("service", service.clone())])
+                .set(i64::from(s.paused));
+        }
     }
 
     /// Sets Raft's levels from openraft's metrics and this replica's commit index.

@@ -1712,9 +1712,19 @@ impl ClusterState {
             reason: reason.to_owned(),
         });
         if let Some(r) = job.replica.as_mut() {
-            // Ready only while it runs; its service reconsiders it whenever it changes.
+            // Ready only while it runs; without a readiness probe, as soon as it runs (with
+            // one, once its agent says the probe passes). Its service reconsiders it whenever
+            // it changes.
             if state != JobState::Running {
                 r.ready = false;
+            } else if let Some(s) = self.services.get_mut(&r.service)
+                && s.revision_template(r.revision)
+                    .is_some_and(|t| t.readiness.is_none())
+            {
+                r.ready = true;
+                if r.revision == s.revision {
+                    s.progressed_at = at;
+                }
             }
             self.touched_services.push(r.service.clone());
             super::service_apply::trim_replica_history(job);

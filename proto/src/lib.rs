@@ -20,3 +20,9 @@ pub mod raft {
 pub mod agent {
     tonic::include_proto!("gpucp.agent.v1");
 }
+
+/// etcd's key-value API, the part `gpuctl bench submit --etcd-compare` measures etcd with
+/// (`etcdserverpb`, client side only).
+pub mod etcd {
+    tonic::include_proto!("etcdserverpb");
+}

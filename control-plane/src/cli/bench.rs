@@ -133,6 +133,11 @@ pub enum BenchCommand {
         /// every second) and off, on fresh clusters, and report both and their ratio.
         #[arg(long)]
         metrics_compare: bool,
+        /// Side by side with etcd in the same run: a three-member etcd on loopback (installed
+        /// from Debian's `etcd-server` if missing), puts of a job-sized value against our
+        /// committed submissions, closed loop at each --clients count (default 1,64,256).
+        #[arg(long)]
+        etcd_compare: bool,
     },
     /// One scheduling pass, in process, on synthetic fleets (no replicas started).
     Scheduler {
@@ -518,6 +523,22 @@ fn run_on_cluster(
                     text.push_str(&t);
                     json["encoding"] = j;
                 }
+                Ok(Report { text, json })
+            }
+            BenchCommand::Submit {
+                clients,
+                seconds,
+                etcd_compare: true,
+                ..
+            } => {
+                let clients = if clients.is_empty() {
+                    vec![1, 64, 256]
+                } else {
+                    clients.clone()
+                };
+                let (text, json) =
+                    super::bench_etcd::run(&cluster, &clients, Duration::from_secs(*seconds), root)
+                        .await?;
                 Ok(Report { text, json })
             }
             BenchCommand::Submit {

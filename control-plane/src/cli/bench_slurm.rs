@@ -120,65 +120,20 @@ pub fn run(shape: &Shape) -> anyhow::Result<SideResult> {
 
 /// Installs `slurm-wlm` and `munge` from the distribution when a program is missing.
 fn ensure_installed() -> anyhow::Result<()> {
-    let needed = [
-        "slurmctld",
-        "slurmd",
-        "sbatch",
-        "squeue",
-        "scontrol",
-        "munged",
-        "munge",
-    ];
-    if needed.iter().all(|p| find_program(p).is_some()) {
-        return Ok(());
-    }
-    // SAFETY: geteuid takes no arguments and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!(
-            "Slurm is not installed and installing it needs root: run `apt-get install -y slurm-wlm munge` as root (or run this benchmark as root), or pass --skip-slurm"
-        );
-    }
-    eprintln!("Slurm: installing slurm-wlm and munge with apt-get...");
-    let install = || {
-        Command::new("apt-get")
-            .args([
-                "install",
-                "-y",
-                "--no-install-recommends",
-                "slurm-wlm",
-                "munge",
-            ])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .status()
-    };
-    let ok = install().is_ok_and(|s| s.success())
-        || (Command::new("apt-get")
-            .arg("update")
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-            && install().is_ok_and(|s| s.success()));
-    let missing: Vec<&str> = needed
-        .iter()
-        .copied()
-        .filter(|p| find_program(p).is_none())
-        .collect();
-    if !ok || !missing.is_empty() {
-        bail!(
-            "could not install Slurm (`apt-get install -y slurm-wlm munge` failed or left {missing:?} missing); install it by hand, or pass --skip-slurm"
-        );
-    }
-    Ok(())
-}
-
-fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var("PATH").unwrap_or_default();
-    path.split(':')
-        .chain(["/usr/sbin", "/usr/bin", "/sbin", "/bin"])
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
+    super::apt::ensure_installed(
+        "Slurm",
+        &[
+            "slurmctld",
+            "slurmd",
+            "sbatch",
+            "squeue",
+            "scontrol",
+            "munged",
+            "munge",
+        ],
+        &["slurm-wlm", "munge"],
+        "pass --skip-slurm",
+    )
 }
 
 fn fill(template: &str, dir: &Path, shape: &Shape) -> String {

@@ -43,23 +43,61 @@ pub async fn run_one(
     duration: Duration,
     prefix: &str,
 ) -> anyhow::Result<ClosedRun> {
+    let endpoints = cluster.endpoints();
+    let credentials = cluster.credentials()?;
+    let prefix = prefix.to_owned();
+    closed_loop(
+        clients,
+        duration,
+        |c| {
+            // Client c starts at replica c mod 3: a third of the clients reach the leader
+            // directly, the rest through a follower, which forwards.
+            let mut rotated = endpoints.clone();
+            rotated.rotate_left(c % endpoints.len());
+            let mut client = Client::new(&rotated, &credentials)?;
+            client.deadline = Duration::from_secs(10);
+            Ok((client, format!("{prefix}-c{c}")))
+        },
+        |(mut client, prefix): (Client, String), i| async move {
+            let req = submit_request(i, &prefix);
+            let ok = client
+                .call(|mut c, t| {
+                    let r = req.clone();
+                    async move { c.submit_job(with_timeout(r, t)).await }
+                })
+                .await
+                .is_ok();
+            ((client, prefix), ok)
+        },
+    )
+    .await
+}
+
+/// `clients` concurrent clients, each made by `connect(c)` and then calling `op` in a loop,
+/// the next call once the last has answered, for `duration` after a warm-up. `op` hands the
+/// client back with whether the call succeeded. Only calls sent and answered inside the
+/// counted window are counted.
+pub async fn closed_loop<C, F, Fut>(
+    clients: usize,
+    duration: Duration,
+    connect: impl Fn(usize) -> anyhow::Result<C>,
+    op: F,
+) -> anyhow::Result<ClosedRun>
+where
+    C: Send + 'static,
+    F: Fn(C, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = (C, bool)> + Send,
+{
     if clients == 0 {
         bail!("--clients must be at least 1");
     }
-    let endpoints = cluster.endpoints();
-    let credentials = cluster.credentials()?;
     let start = Instant::now();
     let counted_from = start + WARM_UP;
     let end = counted_from + duration;
     let mut tasks = Vec::with_capacity(clients);
     for c in 0..clients {
-        // Client c starts at replica c mod 3: a third of the clients reach the leader
-        // directly, the rest through a follower, which forwards.
-        let mut rotated = endpoints.clone();
-        rotated.rotate_left(c % endpoints.len());
-        let mut client = Client::new(&rotated, &credentials)?;
-        client.deadline = Duration::from_secs(10);
-        let prefix = format!("{prefix}-c{c}");
+        let mut client = connect(c)?;
+        let op = op.clone();
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             let mut errors = 0u64;
@@ -69,21 +107,17 @@ pub async fn run_one(
                 if sent >= end {
                     break;
                 }
-                let req = submit_request(i, &prefix);
+                let (back, ok) = op(client, i).await;
+                client = back;
                 i += 1;
-                let result = client
-                    .call(|mut c, t| {
-                        let r = req.clone();
-                        async move { c.submit_job(with_timeout(r, t)).await }
-                    })
-                    .await;
                 let done = Instant::now();
                 if sent < counted_from || done > end {
                     continue;
                 }
-                match result {
-                    Ok(_) => latencies.push((done - sent).as_secs_f64() * 1000.0),
-                    Err(_) => errors += 1,
+                if ok {
+                    latencies.push((done - sent).as_secs_f64() * 1000.0);
+                } else {
+                    errors += 1;
                 }
             }
             (latencies, errors)

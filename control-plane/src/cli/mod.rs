@@ -5,11 +5,13 @@
 
 pub mod accounting;
 pub mod agent_rollout;
+mod apt;
 mod backup;
 mod batch_script;
 mod bench;
 mod bench_e2e;
 mod bench_encoding;
+mod bench_etcd;
 mod bench_failover;
 mod bench_hosts;
 mod bench_membership;

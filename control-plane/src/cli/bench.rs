@@ -61,6 +61,13 @@ pub enum BenchCommand {
         /// Submissions per second of the steady job stream.
         #[arg(long, default_value_t = 200)]
         rate: u64,
+        /// Keep one core busy with a spinning process for the whole run (a loaded host).
+        #[arg(long)]
+        cpu_hog: bool,
+        /// After the kills, let the work flow this long without faults and count the
+        /// elections that happen anyway (e.g. `30m`; default: none).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        steady: Option<Duration>,
         /// tls, insecure, or both (`tls,insecure`: side by side, each on a fresh cluster).
         #[arg(long, value_enum, default_value = "tls", value_delimiter = ',')]
         security: Vec<Security>,
@@ -490,12 +497,19 @@ fn run_on_cluster(
         cluster.wait_for_leader(Duration::from_secs(30)).await?;
         match command {
             BenchCommand::Failover {
-                kills, hosts, rate, ..
+                kills,
+                hosts,
+                rate,
+                cpu_hog,
+                steady,
+                ..
             } => {
                 let args = super::bench_failover::Args {
                     kills: *kills,
                     hosts: *hosts,
                     rate: *rate,
+                    cpu_hog: *cpu_hog,
+                    steady: steady.unwrap_or_default(),
                 };
                 let (text, json) = super::bench_failover::run(&mut cluster, args).await?;
                 Ok::<_, anyhow::Error>(Report { text, json })

@@ -30,6 +30,32 @@ pub struct Args {
     pub hosts: usize,
     /// Submissions per second of the steady job stream.
     pub rate: u64,
+    /// Load one core with a busy loop for the whole run, as a busy host would be.
+    pub cpu_hog: bool,
+    /// After the kills, keep the work flowing this long without faults and count the
+    /// elections that happen anyway (spurious ones: nothing failed).
+    pub steady: Duration,
+}
+
+/// A busy loop on one core for as long as it lives (a shell spinning: no I/O, no sleeps).
+struct CpuHog(std::process::Child);
+
+impl CpuHog {
+    fn start() -> anyhow::Result<CpuHog> {
+        let child = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .context("starting the CPU hog (sh)")?;
+        Ok(CpuHog(child))
+    }
+}
+
+impl Drop for CpuHog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Most submissions of the steady stream in flight (during a failover they wait).
@@ -56,6 +82,7 @@ pub async fn run(
     .context("registering the simulated hosts")?;
     fleet.finish_jobs()?;
     let stream = JobStream::start(cluster.client()?, args.rate);
+    let _hog = args.cpu_hog.then(CpuHog::start).transpose()?;
 
     let mut to_leader = Vec::new();
     let mut to_commit = Vec::new();
@@ -131,6 +158,11 @@ pub async fn run(
         );
         cluster.start(killed, StartMode::Initial)?;
     }
+    let steady = if args.steady.is_zero() {
+        serde_json::Value::Null
+    } else {
+        steady_run(cluster, &fleet, args.steady).await?
+    };
     let submitted = stream.stop();
     let c = &fleet.counters;
     let j = json!({
@@ -145,6 +177,8 @@ pub async fn run(
         "to_new_leader_ms": summary(to_leader),
         "to_first_commit_ms": summary(to_commit),
         "to_first_placement_ms": summary(to_placement),
+        "cpu_hog": args.cpu_hog,
+        "steady": steady,
     });
     let row = |name: &str, v: &serde_json::Value| {
         vec![
@@ -170,15 +204,86 @@ pub async fn run(
             ),
         ],
     );
+    let steady_text = if j["steady"].is_null() {
+        String::new()
+    } else {
+        format!(
+            "steady run without faults, {:.0} s: {} elections (terms {} to {}), {} leader changes, {} jobs placed\n",
+            j["steady"]["seconds"].as_f64().unwrap_or(0.0),
+            j["steady"]["elections"],
+            j["steady"]["first_term"],
+            j["steady"]["last_term"],
+            j["steady"]["leader_changes"],
+            j["steady"]["placed"],
+        )
+    };
     Ok((
         format!(
-            "{} leader kills, 3 replicas; {} simulated hosts finishing jobs, {} submissions/s\n{text}",
+            "{} leader kills, 3 replicas; {} simulated hosts finishing jobs, {} submissions/s{}\n{text}{steady_text}",
             args.kills,
             fleet.hosts(),
-            args.rate
+            args.rate,
+            if args.cpu_hog {
+                "; a busy loop on one core throughout"
+            } else {
+                ""
+            }
         ),
         j,
     ))
+}
+
+/// Work flows for `length` with no fault injected; every replica's term is read every
+/// 100 ms. Any term change is an election nobody needed: a leader that missed its
+/// heartbeats under load, or a follower that timed out.
+async fn steady_run(
+    cluster: &LocalCluster,
+    fleet: &SimulatedFleet,
+    length: Duration,
+) -> anyhow::Result<serde_json::Value> {
+    let start = cluster.wait_for_leader(Duration::from_secs(30)).await?;
+    let placed_before = fleet.counters.finished.load(Ordering::Relaxed);
+    let (mut term, mut leader) = (start.term, start.leader);
+    let mut leader_changes = 0u64;
+    let t0 = Instant::now();
+    let mut next_report = Duration::from_secs(60);
+    while t0.elapsed() < length {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for id in cluster.replicas.keys().copied() {
+            if let Some(s) = cluster.status(id).await {
+                if s.term > term {
+                    eprintln!(
+                        "steady run: term {} -> {} at +{:.1} s (seen on replica {id})",
+                        term,
+                        s.term,
+                        t0.elapsed().as_secs_f64()
+                    );
+                    term = s.term;
+                }
+                if s.leader != 0 && s.leader != leader && s.term >= term {
+                    leader_changes += 1;
+                    leader = s.leader;
+                }
+            }
+        }
+        if t0.elapsed() >= next_report {
+            eprintln!(
+                "steady run: {:.0} of {:.0} s, {} elections so far",
+                t0.elapsed().as_secs_f64(),
+                length.as_secs_f64(),
+                term - start.term
+            );
+            next_report += Duration::from_secs(60);
+        }
+    }
+    Ok(json!({
+        "seconds": t0.elapsed().as_secs_f64(),
+        "first_term": start.term,
+        "last_term": term,
+        "elections": term - start.term,
+        "leader_changes": leader_changes,
+        "placed": fleet.counters.finished.load(Ordering::Relaxed) - placed_before,
+    }))
 }
 
 fn ms(d: Duration) -> f64 {

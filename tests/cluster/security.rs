@@ -212,6 +212,7 @@ async fn each_service_takes_certificates_of_its_own_role_only() {
             node: "gpu-1".into(),
             running: vec![],
             incarnation: String::new(),
+            replica_metrics: Vec::new(),
         })
         .await
         .unwrap_err();
@@ -300,6 +301,7 @@ async fn a_node_certificate_acts_for_its_own_node_only() {
                 node: victim.clone(),
                 running: vec![],
                 incarnation: "thief".into(),
+                replica_metrics: Vec::new(),
             })
             .await
             .map(|_| ());

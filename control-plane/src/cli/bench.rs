@@ -258,9 +258,40 @@ pub enum BenchCommand {
         #[arg(long, default_value = "", allow_hyphen_values = true)]
         replica_args: String,
     },
+    /// Long-running services: restart after kill -9, replacement after a host is cut off,
+    /// a rolling update, autoscaling (real agents, `gpuctl demo-server` replicas).
+    Service {
+        /// Simulated 8-GPU hosts (at least 2: a replica is replaced on another host).
+        #[arg(long, default_value_t = 4)]
+        hosts: usize,
+        /// Kills of a replica's process, and cut-offs of a replica's host.
+        #[arg(long, default_value_t = 20)]
+        tries: usize,
+        /// Replicas of the rolling update.
+        #[arg(long, default_value_t = 8)]
+        replicas: u32,
+        /// Extra flags for every replica (e.g. "--node-lease-ms 2000 --node-grace-ms 1000").
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        replica_args: String,
+    },
 }
 
 pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Result<()> {
+    if let BenchCommand::Service {
+        hosts,
+        tries,
+        replicas,
+        replica_args,
+    } = command
+    {
+        let args = super::bench_service::Args {
+            hosts,
+            tries,
+            replicas,
+            replica_args: replica_args.split_whitespace().map(str::to_owned).collect(),
+        };
+        return super::bench_service::run(args, keep_data, fmt);
+    }
     if let BenchCommand::Rollout {
         hosts,
         max_unavailable,
@@ -596,7 +627,8 @@ fn run_on_cluster(
             | BenchCommand::Memory { .. }
             | BenchCommand::Membership { .. }
             | BenchCommand::E2e { .. }
-            | BenchCommand::Rollout { .. } => {
+            | BenchCommand::Rollout { .. }
+            | BenchCommand::Service { .. } => {
                 unreachable!("runs in process, above")
             }
         }

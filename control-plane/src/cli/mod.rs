@@ -19,6 +19,7 @@ mod bench_memory;
 mod bench_placement;
 mod bench_rollout;
 mod bench_scheduler;
+mod bench_service;
 mod bench_slurm;
 mod bench_status_page;
 mod bench_submit;

@@ -290,7 +290,7 @@ async fn a_service_keeps_its_replicas_serving_restarts_them_in_place_and_scales(
 async fn a_rolling_update_keeps_every_replica_ready_and_a_broken_one_is_paused_and_undone() {
     let c = start_with_agents(&[("h1", "dgx-h100"), ("h2", "dgx-h100")]).await;
     let mut client = c.client().unwrap();
-    put(&mut client, demo("api", 4, &["--version", "v1"]), true).await;
+    put(&mut client, demo("api", 4, &["--message", "v1"]), true).await;
     wait_service(
         &mut client,
         "api",
@@ -303,7 +303,7 @@ async fn a_rolling_update_keeps_every_replica_ready_and_a_broken_one_is_paused_a
 
     step("revision 2: replaced one at a time (surge 1, unavailable 0)");
     let started = Instant::now();
-    put(&mut client, demo("api", 4, &["--version", "v2"]), false).await;
+    put(&mut client, demo("api", 4, &["--message", "v2"]), false).await;
     let mut min_ready = u32::MAX;
     let mut max_copies = 0;
     let s = wait_service(
@@ -326,13 +326,13 @@ async fn a_rolling_update_keeps_every_replica_ready_and_a_broken_one_is_paused_a
     assert!(max_copies <= 5, "more than replicas + surge");
     for r in &s.replicas {
         let (_, body) = http_get(&r.endpoint, "/").unwrap();
-        assert!(body.contains("version=v2"), "{body}");
+        assert!(body.contains("message=v2"), "{body}");
     }
 
     step("revision 3 crashes at once: the rollout pauses, the old replicas keep serving");
     put(
         &mut client,
-        demo("api", 4, &["--version", "v3", "--fail-after", "0s"]),
+        demo("api", 4, &["--message", "v3", "--fail-after", "0s"]),
         false,
     )
     .await;

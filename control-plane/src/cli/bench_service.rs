@@ -152,7 +152,7 @@ async fn measure(
     eprintln!("3/4: a rolling update of {} replicas", args.replicas);
     put(
         &mut client,
-        demo("roll", args.replicas, &["--version", "v1"]),
+        demo("roll", args.replicas, &["--message", "v1"]),
     )
     .await?;
     wait_until(&mut client, "roll", |s| {
@@ -162,7 +162,7 @@ async fn measure(
     let t0 = Instant::now();
     put(
         &mut client,
-        demo("roll", args.replicas, &["--version", "v2"]),
+        demo("roll", args.replicas, &["--message", "v2"]),
     )
     .await?;
     let mut min_ready = u32::MAX;

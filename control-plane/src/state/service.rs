@@ -301,9 +301,11 @@ pub struct ReplicaOf {
 }
 
 impl ReplicaOf {
-    /// Whether it has failed often enough in a row to be shown as crash-looping.
+    /// Whether it has failed often enough in a row to be shown as crash-looping, and is not
+    /// ready now: a replica that came back up and passes its probe is serving, whatever its
+    /// count of failures (which restarts only at its next exit, after `reset_after_ms`).
     pub fn crash_looping(&self, policy: &RestartPolicy) -> bool {
-        policy.crash_loop_after > 0 && self.failures >= policy.crash_loop_after
+        !self.ready && policy.crash_loop_after > 0 && self.failures >= policy.crash_loop_after
     }
 }
 

@@ -31,8 +31,13 @@ mod manifest;
 mod node;
 pub mod output;
 pub mod parse;
+pub mod probe_spec;
 pub mod progress;
 pub mod replay;
+mod service;
+mod service_manifest;
+pub mod service_output;
+mod service_spec;
 mod simulate;
 pub mod slurm_syntax;
 mod submit;
@@ -97,14 +102,22 @@ pub const DEV_DATA_DIR: &str = "./dev-data";
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum Command {
-    /// Submit a `kind: GpuJob` manifest (Kubernetes-shaped YAML), idempotent by its name.
+    /// Submit a `kind: GpuJob` manifest or create/change a `kind: GpuService` one
+    /// (Kubernetes-shaped YAML), idempotent by its name.
     Apply(kube::ApplyArgs),
-    /// Jobs by name, as `kubectl get` shows them (-o yaml: manifests; -o wide: more columns).
+    /// Jobs or services by name, as `kubectl get` shows them (-o yaml: manifests; -o wide:
+    /// more columns).
     Get(kube::GetArgs),
-    /// One job by name, in full.
+    /// One job or service by name, in full.
     Describe(kube::NamedArgs),
-    /// Cancel the pending or running job of that name.
+    /// Cancel the pending or running job of that name, or delete the service.
     Delete(kube::NamedArgs),
+    /// Long-running services: replicas kept running and restarted, rolled out revision by
+    /// revision, autoscaled (`gpuctl service create web --replicas 2 --port http -- serve`).
+    Service {
+        #[command(subcommand)]
+        command: service::ServiceCommand,
+    },
     /// Print a shell completion script: `gpuctl completions bash > /etc/bash_completion.d/gpuctl`
     /// (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
@@ -517,6 +530,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Get(args) => kube::get(&mut client, args, fmt).await?,
         Command::Describe(args) => kube::describe(&mut client, args, fmt).await?,
         Command::Delete(args) => kube::delete(&mut client, args, fmt).await?,
+        Command::Service { command } => service::run(&mut client, command, fmt).await?,
         Command::Queue(q) => {
             // Checked by clap already (`columns::job_format`); parsed again for the columns.
             let columns = match q.format.as_deref() {

@@ -23,6 +23,7 @@ mod bench_submit;
 mod bench_submit_closed;
 mod certs;
 pub mod columns;
+pub mod demo_server;
 mod dev;
 mod job_control;
 mod kube;
@@ -258,6 +259,10 @@ pub enum Command {
     /// Run a node agent (what `gpuctl dev` starts for simulated hosts; same flags as `node-agent`).
     #[command(hide = true)]
     Agent(node_agent::agent::cli::AgentArgs),
+    /// A small HTTP server to run as a service's replica in tours and tests: `/`, `/healthz`,
+    /// `/ready`, `/metrics` (docs/SERVICES.md).
+    #[command(hide = true)]
+    DemoServer(demo_server::DemoServerArgs),
 }
 
 #[derive(clap::Args)]
@@ -449,6 +454,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
             return crate::server::run_replica_process(args, crate::config::Defaults::LOG_FILTER);
         }
         Command::Dev(args) => return dev::run(args),
+        Command::DemoServer(args) => return demo_server::run(args),
         Command::Completions { shell } => {
             // Into a buffer first: the generator panics on a write error (`| head`).
             let mut script = Vec::new();
@@ -665,6 +671,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         | Command::Man
         | Command::Replica(_)
         | Command::Agent(_)
+        | Command::DemoServer(_)
         | Command::Bench { .. }
         | Command::Simulate { .. }
         | Command::Certs { .. } => {

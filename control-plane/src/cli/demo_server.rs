@@ -251,8 +251,9 @@ pub fn run(args: DemoServerArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
             format!("demo-server cannot listen on {addr} (give --port, or set PORT)")
         })?;
+        let bound = listener.local_addr().unwrap_or(addr);
         eprintln!(
-            "demo-server: serving on {addr}: replica {} of service {}, revision {}",
+            "demo-server: serving on {bound}: replica {} of service {}, revision {}",
             identity.replica, identity.service, identity.revision
         );
         if let Some(after) = fail_after {

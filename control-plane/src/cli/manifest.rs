@@ -121,6 +121,8 @@ pub struct Resources {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Quantity {
+    /// Whole numbers first, so `-o yaml` prints `2`, not `2.0`.
+    Whole(i64),
     Number(f64),
     Text(String),
 }
@@ -128,6 +130,7 @@ pub enum Quantity {
 impl Quantity {
     pub fn text(&self) -> String {
         match self {
+            Quantity::Whole(n) => n.to_string(),
             Quantity::Number(n) => n.to_string(),
             Quantity::Text(t) => t.trim().to_owned(),
         }
@@ -221,7 +224,7 @@ pub fn limits_of(spec: &pb::JobSpec) -> BTreeMap<String, Quantity> {
     if spec.gpu_milli > 0 {
         limits.insert(
             "nvidia.com/gpu-milli".to_owned(),
-            Quantity::Number(f64::from(spec.gpu_milli)),
+            Quantity::Whole(i64::from(spec.gpu_milli)),
         );
         if spec.gpu_memory_mib > 0 {
             limits.insert(
@@ -235,7 +238,7 @@ pub fn limits_of(spec: &pb::JobSpec) -> BTreeMap<String, Quantity> {
         } else {
             format!("nvidia.com/mig-{}", spec.mig_profile)
         };
-        limits.insert(gpu_key, Quantity::Number(spec.gpus_per_task as f64));
+        limits.insert(gpu_key, Quantity::Whole(spec.gpus_per_task));
     }
     if spec.cpu_milli_per_task > 0 {
         limits.insert(
@@ -501,7 +504,7 @@ spec:
             ..Default::default()
         };
         let yaml = serde_norway::to_string(&manifest_of(&job)).unwrap();
-        assert!(yaml.contains("nvidia.com/gpu-milli: 250"), "{yaml}");
+        assert!(yaml.contains("nvidia.com/gpu-milli: 250\n"), "{yaml}");
         assert_eq!(job_spec(&parse(&yaml).unwrap()).unwrap(), spec, "{yaml}");
         for (bad, says) in [
             ("nvidia.com/gpu-milli: 1000", "1 to 999"),

@@ -19,6 +19,7 @@ mod membership;
 mod metrics;
 mod pending_reasons;
 mod security;
+mod services;
 mod slurm_controls;
 mod status_page;
 mod telemetry;

@@ -90,6 +90,7 @@ pub enum RolloutCommand {
 /// A service by name, in a tenant.
 #[derive(clap::Args, Debug, Clone)]
 pub struct NameArgs {
+    /// The service's name.
     pub name: String,
     /// The tenant (Kubernetes' namespace). Default: a user token's own tenant, or `default`.
     #[arg(long, short = 'A', alias = "namespace", env = "GPUCTL_TENANT")]
@@ -101,7 +102,9 @@ pub struct NameArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct CreateArgs {
+    /// The service's name (letters, digits, '-', '_', '.'); its replicas' jobs are NAME-ORDINAL.
     pub name: String,
+    /// The tenant (Kubernetes' namespace). Default: a user token's own tenant, or `default`.
     #[arg(long, short = 'A', alias = "namespace", env = "GPUCTL_TENANT")]
     pub tenant: Option<String>,
     #[command(flatten)]
@@ -110,7 +113,9 @@ pub struct CreateArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct UpdateArgs {
+    /// The service to change.
     pub name: String,
+    /// The tenant (Kubernetes' namespace). Default: a user token's own tenant, or `default`.
     #[arg(long, short = 'A', alias = "namespace", env = "GPUCTL_TENANT")]
     pub tenant: Option<String>,
     #[command(flatten)]
@@ -121,6 +126,7 @@ pub struct UpdateArgs {
 pub struct GetArgs {
     /// One service; none: every service you may see.
     pub name: Option<String>,
+    /// The tenant (Kubernetes' namespace). Default: a user token's own tenant, or `default`.
     #[arg(long, short = 'A', alias = "namespace", env = "GPUCTL_TENANT")]
     pub tenant: Option<String>,
     #[arg(long)]
@@ -130,7 +136,9 @@ pub struct GetArgs {
 #[derive(clap::Args, Debug)]
 pub struct ScaleArgs {
     pub name: String,
+    /// Replicas wanted.
     pub replicas: u32,
+    /// The tenant (Kubernetes' namespace). Default: a user token's own tenant, or `default`.
     #[arg(long, short = 'A', alias = "namespace", env = "GPUCTL_TENANT")]
     pub tenant: Option<String>,
     /// Why (shown in events).
@@ -141,6 +149,7 @@ pub struct ScaleArgs {
 #[derive(clap::Args, Debug)]
 pub struct DeleteArgs {
     pub name: String,
+    /// The tenant (Kubernetes' namespace). Default: a user token's own tenant, or `default`.
     #[arg(long, short = 'A', alias = "namespace", env = "GPUCTL_TENANT")]
     pub tenant: Option<String>,
     /// Wait until every replica has stopped and the service is gone.

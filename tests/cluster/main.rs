@@ -19,6 +19,7 @@ mod membership;
 mod metrics;
 mod pending_reasons;
 mod security;
+mod service_cli;
 mod services;
 mod slurm_controls;
 mod status_page;

@@ -330,6 +330,14 @@ async fn chromium_loads_every_page_of_a_running_cluster() {
     assert!(dom.contains("4.142 / 4 GPUs"), "{dom}");
     assert!(dom.contains("(borrowing 0.142)"), "{dom}");
 
+    step("/services: none runs yet, and the page says how to start one");
+    let dom = browser.dom(&format!("{l}/services"));
+    assert!(dom.contains("No service runs."), "{dom}");
+    assert!(
+        dom.contains("<a class=\"current\" href=\"/services\">Services</a>"),
+        "{dom}"
+    );
+
     step("screenshots of each page");
     for (path, name, height) in [
         ("/".to_owned(), "cluster", 760),
@@ -338,6 +346,7 @@ async fn chromium_loads_every_page_of_a_running_cluster() {
         ("/queue".into(), "queue", 520),
         (format!("/jobs/{running}"), "job", 1000),
         ("/tenants".into(), "tenants", 360),
+        ("/services".into(), "services", 300),
     ] {
         let f = browser.screenshot(&format!("{l}{path}"), name, height);
         println!("screenshot of {path}: {}", f.display());

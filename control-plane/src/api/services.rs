@@ -118,11 +118,22 @@ pub async fn put_service(
                 if let Some(refusal) = data.cluster.service_refusal(&spec, req.create_only) {
                     return Err(refusal.into());
                 }
-                // A replica no node could ever hold is refused as a job would be.
-                if let Some(refusal) =
-                    crate::scheduler::capacity::admission_refusal(&data.cluster, &spec.template.job)
+                // A replica no node could ever hold is refused, as a job would be (services
+                // have no --hold-if-unfit: a service that can never run is a mistake to fix).
+                let job = &spec.template.job;
+                let shape = crate::scheduler::placement::Shape::of(job);
+                if let Some(never) =
+                    crate::scheduler::capacity::never_fits(data.cluster.nodes.values(), &shape, 1)
                 {
-                    return Err(refusal.into());
+                    return Err(Rejection::invalid(
+                        "template",
+                        format!(
+                            "{}: {}; no replica of this service could ever run: ask for less, or add a node that fits first",
+                            never.label(),
+                            never.text(&shape, 1)
+                        ),
+                    )
+                    .into());
                 }
             }
             let command = Command::PutService {

@@ -70,7 +70,7 @@ impl EtcdCluster {
             client_urls: client_urls.clone(),
             version,
         };
-        for i in 0..3 {
+        for (i, client_url) in client_urls.iter().enumerate() {
             let data = dir.join(format!("etcd-m{i}"));
             std::fs::create_dir_all(&data)
                 .with_context(|| format!("creating {}", data.display()))?;
@@ -81,9 +81,9 @@ impl EtcdCluster {
                 .arg("--data-dir")
                 .arg(&data)
                 .arg("--listen-client-urls")
-                .arg(&client_urls[i])
+                .arg(client_url)
                 .arg("--advertise-client-urls")
-                .arg(&client_urls[i])
+                .arg(client_url)
                 .arg("--listen-peer-urls")
                 .arg(peer(i))
                 .arg("--initial-advertise-peer-urls")

@@ -1,5 +1,6 @@
 //! Kubernetes habits: `gpuctl apply -f job.yaml`, `gpuctl get jobs [NAME]`, `gpuctl describe
-//! job NAME`, `gpuctl delete job NAME`, on `kind: GpuJob` manifests (`manifest.rs`).
+//! job NAME`, `gpuctl delete job NAME`, on `kind: GpuJob` manifests (`manifest.rs`); the same
+//! verbs on services (`kind: GpuService`, `service_manifest.rs`), which `service.rs` runs.
 //!
 //! A manifest's job is found again by its name in its namespace (tenant). `apply` is
 //! idempotent by name: while a job of that name is pending or running, applying the same
@@ -28,12 +29,20 @@ pub struct ApplyArgs {
 pub enum Resource {
     #[value(alias = "jobs", alias = "gpujob", alias = "gpujobs")]
     Job,
+    #[value(
+        alias = "services",
+        alias = "svc",
+        alias = "gpuservice",
+        alias = "gpuservices"
+    )]
+    Service,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct GetArgs {
     pub resource: Resource,
-    /// A job's name; none: every job that has not finished (with --all, every job).
+    /// A job's (or service's) name; none: every job that has not finished (with --all, every
+    /// job), or every service.
     pub name: Option<String>,
     /// The tenant (Kubernetes' namespace).
     #[arg(long, short = 'n', alias = "namespace")]
@@ -76,6 +85,15 @@ fn same_spec(job: &pb::Job, wanted: &pb::JobSpec) -> bool {
     have == *wanted
 }
 
+/// The `kind` a manifest says it is (empty when it says none or is not YAML: the parser
+/// of GpuJob then says what is wrong).
+fn kind_of(text: &str) -> String {
+    serde_norway::from_str::<serde_norway::Value>(text)
+        .ok()
+        .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(str::to_owned))
+        .unwrap_or_default()
+}
+
 pub async fn apply(client: &mut Client, args: ApplyArgs, fmt: Format) -> anyhow::Result<()> {
     let text = if args.filename == "-" {
         std::io::read_to_string(std::io::stdin()).context("reading the manifest from stdin")?
@@ -83,6 +101,20 @@ pub async fn apply(client: &mut Client, args: ApplyArgs, fmt: Format) -> anyhow:
         std::fs::read_to_string(&args.filename)
             .with_context(|| format!("reading {}", args.filename))?
     };
+    match kind_of(&text).as_str() {
+        super::service_manifest::KIND => {
+            return super::service::apply_manifest(client, &text, &args.filename, fmt).await;
+        }
+        "" | manifest::KIND => {}
+        other => bail!(
+            "{}: kind {:?}: gpuctl applies {} and {} manifests (apiVersion {})",
+            args.filename,
+            output::printable(other),
+            manifest::KIND,
+            super::service_manifest::KIND,
+            manifest::API_VERSION
+        ),
+    }
     let m = manifest::parse(&text).with_context(|| args.filename.clone())?;
     let spec = manifest::job_spec(&m).with_context(|| args.filename.clone())?;
     let tenant = Some(spec.tenant.as_str()).filter(|t| !t.is_empty());
@@ -187,6 +219,14 @@ async fn job_named(
 }
 
 pub async fn get(client: &mut Client, args: GetArgs, fmt: Format) -> anyhow::Result<()> {
+    if args.resource == Resource::Service {
+        let a = super::service::GetArgs {
+            name: args.name,
+            tenant: args.tenant,
+            stale: false,
+        };
+        return super::service::get(client, a, fmt).await;
+    }
     let jobs = jobs_named(
         client,
         args.name.as_deref(),
@@ -256,6 +296,10 @@ pub async fn get(client: &mut Client, args: GetArgs, fmt: Format) -> anyhow::Res
 }
 
 pub async fn describe(client: &mut Client, args: NamedArgs, fmt: Format) -> anyhow::Result<()> {
+    if args.resource == Resource::Service {
+        let s = super::service::fetch(client, &args.name, args.tenant.as_deref(), false).await?;
+        return super::service::describe_service(&s, fmt);
+    }
     let job = job_named(client, &args.name, args.tenant.as_deref()).await?;
     match fmt {
         Format::Json => println!("{}", output::job_json(&job)),
@@ -266,6 +310,14 @@ pub async fn describe(client: &mut Client, args: NamedArgs, fmt: Format) -> anyh
 }
 
 pub async fn delete(client: &mut Client, args: NamedArgs, fmt: Format) -> anyhow::Result<()> {
+    if args.resource == Resource::Service {
+        let a = super::service::DeleteArgs {
+            name: args.name,
+            tenant: args.tenant,
+            wait: false,
+        };
+        return super::service::run(client, super::service::ServiceCommand::Delete(a), fmt).await;
+    }
     let job = jobs_named(client, Some(&args.name), args.tenant.as_deref(), false)
         .await?
         .into_iter()
@@ -297,4 +349,18 @@ pub async fn delete(client: &mut Client, args: NamedArgs, fmt: Format) -> anyhow
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_kind_picks_the_manifest_parser() {
+        assert_eq!(super::kind_of("kind: GpuService\nspec: {}\n"), "GpuService");
+        assert_eq!(
+            super::kind_of("apiVersion: gpucp.io/v1\nkind: GpuJob\n"),
+            "GpuJob"
+        );
+        assert_eq!(super::kind_of("[not, a, mapping]"), "");
+        assert_eq!(super::kind_of(": : :"), "");
+    }
 }

@@ -31,6 +31,11 @@
 //!       memory: 64Gi
 //! ```
 //!
+//! A share of one GPU is `nvidia.com/gpu-milli: 250` (1-999 thousandths of a GPU) with an
+//! optional `nvidia.com/gpu-memory: 10Gi` (its part of the GPU's memory; default in
+//! proportion), in place of `nvidia.com/gpu`. `kind: GpuService` manifests
+//! (`service_manifest.rs`) take the same resources.
+//!
 //! Unknown fields are refused by name (a typo must not silently drop a limit).
 
 use std::collections::BTreeMap;
@@ -116,13 +121,16 @@ pub struct Resources {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Quantity {
+    /// Whole numbers first, so `-o yaml` prints `2`, not `2.0`.
+    Whole(i64),
     Number(f64),
     Text(String),
 }
 
 impl Quantity {
-    fn text(&self) -> String {
+    pub fn text(&self) -> String {
         match self {
+            Quantity::Whole(n) => n.to_string(),
             Quantity::Number(n) => n.to_string(),
             Quantity::Text(t) => t.trim().to_owned(),
         }
@@ -144,75 +152,94 @@ pub fn parse(text: &str) -> anyhow::Result<Manifest> {
     Ok(m)
 }
 
-/// The job a manifest asks for.
-pub fn job_spec(m: &Manifest) -> anyhow::Result<pb::JobSpec> {
-    let s = &m.spec;
-    let mut gpus: Option<i64> = None;
-    let mut mig_profile = String::new();
-    let (mut cpu_milli, mut memory_mib) = (0i64, 0i64);
-    // Requests first, limits over them: both mean "what the job gets".
-    for (key, q) in s.resources.requests.iter().chain(&s.resources.limits) {
-        let text = q.text();
-        match key.as_str() {
-            "nvidia.com/gpu" => gpus = Some(whole("nvidia.com/gpu", &text)?),
-            "cpu" => cpu_milli = cpu_milli_of(&text)?,
-            "memory" => memory_mib = memory_mib_of(&text)? as i64,
-            k if k.starts_with("nvidia.com/mig-") => {
-                mig_profile = k["nvidia.com/mig-".len()..].to_owned();
-                gpus = Some(whole(k, &text)?);
-            }
-            other => bail!(
-                "resources: {other:?} is not a resource here (nvidia.com/gpu, nvidia.com/mig-PROFILE, cpu, memory)"
-            ),
-        }
-    }
-    let mut command = s.command.clone();
-    command.extend(s.args.iter().cloned());
-    if command.is_empty() {
-        bail!("spec.command is empty: give the program to run");
-    }
-    Ok(pb::JobSpec {
-        tenant: m.metadata.namespace.clone().unwrap_or_default(),
-        name: m.metadata.name.clone(),
-        command,
-        gpus_per_task: gpus.unwrap_or(1),
-        tasks: i64::from(s.tasks.unwrap_or(1)),
-        gpu_models: s.gpu_models.clone(),
-        partition: s.partition.clone().unwrap_or_default(),
-        priority_class: s
-            .priority_class_name
-            .clone()
-            .unwrap_or_else(|| "normal".into()),
-        time_limit_secs: s.active_deadline_seconds.unwrap_or(0) as i64,
-        cpu_milli_per_task: cpu_milli,
-        memory_mib_per_task: memory_mib,
-        env: s
-            .env
-            .iter()
-            .map(|e| (e.name.clone(), e.value.clone()))
-            .collect(),
-        mig_profile,
-        preemptible: s.preemptible,
-        single_numa: s.single_numa,
-        workdir: s.working_dir.clone().unwrap_or_default(),
-        container: s.image.as_ref().map(|image| pb::ContainerSpec {
-            image: image.clone(),
-            mounts: Vec::new(),
-        }),
-        ..Default::default()
-    })
+/// What a manifest's `resources` ask for, per task (or per replica).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Asked {
+    /// `nvidia.com/gpu` (or the count of a MIG profile); unset: 1.
+    pub gpus: Option<i64>,
+    pub mig_profile: String,
+    pub gpu_milli: u32,
+    pub gpu_memory_mib: u64,
+    pub cpu_milli: i64,
+    pub memory_mib: i64,
 }
 
-/// A job as a manifest (`gpuctl get job NAME -o yaml`): what `apply` would take back.
-pub fn manifest_of(job: &pb::Job) -> Manifest {
-    let spec = job.spec.clone().unwrap_or_default();
+impl Asked {
+    /// Sets what was asked on `spec`.
+    pub fn apply_to(&self, spec: &mut pb::JobSpec) {
+        spec.gpus_per_task = self.gpus.unwrap_or(1);
+        spec.mig_profile = self.mig_profile.clone();
+        spec.gpu_milli = self.gpu_milli;
+        spec.gpu_memory_mib = self.gpu_memory_mib;
+        spec.cpu_milli_per_task = self.cpu_milli;
+        spec.memory_mib_per_task = self.memory_mib;
+    }
+}
+
+const RESOURCE_NAMES: &str = "nvidia.com/gpu, nvidia.com/mig-PROFILE, nvidia.com/gpu-milli, nvidia.com/gpu-memory, cpu, memory";
+
+/// Reads `resources` (requests first, limits over them: both mean "what the job gets").
+pub fn asked(resources: &Resources) -> anyhow::Result<Asked> {
+    let mut a = Asked::default();
+    for (key, q) in resources.requests.iter().chain(&resources.limits) {
+        let text = q.text();
+        match key.as_str() {
+            "nvidia.com/gpu" => a.gpus = Some(whole("nvidia.com/gpu", &text)?),
+            "nvidia.com/gpu-milli" => {
+                a.gpu_milli = whole(key, &text)?
+                    .try_into()
+                    .ok()
+                    .filter(|m| (1..1000).contains(m))
+                    .with_context(|| {
+                        format!("resources: nvidia.com/gpu-milli {text:?} is not 1 to 999 thousandths of a GPU")
+                    })?
+            }
+            "nvidia.com/gpu-memory" => a.gpu_memory_mib = memory_mib_of(&text)?,
+            "cpu" => a.cpu_milli = cpu_milli_of(&text)?,
+            "memory" => {
+                a.memory_mib = i64::try_from(memory_mib_of(&text)?)
+                    .with_context(|| format!("resources: memory {text:?} is too large"))?
+            }
+            k if k.starts_with("nvidia.com/mig-") => {
+                a.mig_profile = k["nvidia.com/mig-".len()..].to_owned();
+                a.gpus = Some(whole(k, &text)?);
+            }
+            other => bail!("resources: {other:?} is not a resource here ({RESOURCE_NAMES})"),
+        }
+    }
+    if a.gpu_milli > 0 && !a.mig_profile.is_empty() {
+        bail!("resources: a GPU share (nvidia.com/gpu-milli) and MIG slices exclude each other");
+    }
+    if a.gpu_memory_mib > 0 && a.gpu_milli == 0 {
+        bail!(
+            "resources: nvidia.com/gpu-memory is a share's part of its GPU: give nvidia.com/gpu-milli too"
+        );
+    }
+    Ok(a)
+}
+
+/// The `resources.limits` that ask for what `spec` asks for (`-o yaml`).
+pub fn limits_of(spec: &pb::JobSpec) -> BTreeMap<String, Quantity> {
     let mut limits = BTreeMap::new();
-    let gpu_key = if spec.mig_profile.is_empty() {
-        "nvidia.com/gpu".to_owned()
+    if spec.gpu_milli > 0 {
+        limits.insert(
+            "nvidia.com/gpu-milli".to_owned(),
+            Quantity::Whole(i64::from(spec.gpu_milli)),
+        );
+        if spec.gpu_memory_mib > 0 {
+            limits.insert(
+                "nvidia.com/gpu-memory".to_owned(),
+                Quantity::Text(format!("{}Mi", spec.gpu_memory_mib)),
+            );
+        }
     } else {
-        format!("nvidia.com/mig-{}", spec.mig_profile)
-    };
-    limits.insert(gpu_key, Quantity::Number(spec.gpus_per_task as f64));
+        let gpu_key = if spec.mig_profile.is_empty() {
+            "nvidia.com/gpu".to_owned()
+        } else {
+            format!("nvidia.com/mig-{}", spec.mig_profile)
+        };
+        limits.insert(gpu_key, Quantity::Whole(spec.gpus_per_task));
+    }
     if spec.cpu_milli_per_task > 0 {
         limits.insert(
             "cpu".into(),
@@ -225,15 +252,67 @@ pub fn manifest_of(job: &pb::Job) -> Manifest {
             Quantity::Text(format!("{}Mi", spec.memory_mib_per_task)),
         );
     }
-    let mut env: Vec<EnvVar> = spec
-        .env
+    limits
+}
+
+/// A map of environment variables as a manifest's sorted `env` list.
+pub fn env_list(env: &std::collections::HashMap<String, String>) -> Vec<EnvVar> {
+    let mut list: Vec<EnvVar> = env
         .iter()
         .map(|(name, value)| EnvVar {
             name: name.clone(),
             value: value.clone(),
         })
         .collect();
-    env.sort_by(|a, b| a.name.cmp(&b.name));
+    list.sort_by(|a, b| a.name.cmp(&b.name));
+    list
+}
+
+/// The job a manifest asks for.
+pub fn job_spec(m: &Manifest) -> anyhow::Result<pb::JobSpec> {
+    let s = &m.spec;
+    let asked = asked(&s.resources)?;
+    let mut command = s.command.clone();
+    command.extend(s.args.iter().cloned());
+    if command.is_empty() {
+        bail!("spec.command is empty: give the program to run");
+    }
+    let mut spec = pb::JobSpec {
+        tenant: m.metadata.namespace.clone().unwrap_or_default(),
+        name: m.metadata.name.clone(),
+        command,
+        tasks: i64::from(s.tasks.unwrap_or(1)),
+        gpu_models: s.gpu_models.clone(),
+        partition: s.partition.clone().unwrap_or_default(),
+        priority_class: s
+            .priority_class_name
+            .clone()
+            .unwrap_or_else(|| "normal".into()),
+        time_limit_secs: i64::try_from(s.active_deadline_seconds.unwrap_or(0))
+            .context("spec.activeDeadlineSeconds is too large")?,
+        env: s
+            .env
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone()))
+            .collect(),
+        preemptible: s.preemptible,
+        single_numa: s.single_numa,
+        workdir: s.working_dir.clone().unwrap_or_default(),
+        container: s.image.as_ref().map(|image| pb::ContainerSpec {
+            image: image.clone(),
+            mounts: Vec::new(),
+        }),
+        ..Default::default()
+    };
+    asked.apply_to(&mut spec);
+    Ok(spec)
+}
+
+/// A job as a manifest (`gpuctl get job NAME -o yaml`): what `apply` would take back.
+pub fn manifest_of(job: &pb::Job) -> Manifest {
+    let spec = job.spec.clone().unwrap_or_default();
+    let limits = limits_of(&spec);
+    let env = env_list(&spec.env);
     Manifest {
         api_version: API_VERSION.into(),
         kind: KIND.into(),
@@ -264,7 +343,7 @@ pub fn manifest_of(job: &pb::Job) -> Manifest {
     }
 }
 
-fn whole(key: &str, text: &str) -> anyhow::Result<i64> {
+pub(crate) fn whole(key: &str, text: &str) -> anyhow::Result<i64> {
     text.parse::<i64>()
         .ok()
         .filter(|n| *n >= 0)
@@ -272,7 +351,7 @@ fn whole(key: &str, text: &str) -> anyhow::Result<i64> {
 }
 
 /// `500m`, `2`, `1.5` CPUs as milli-CPUs.
-fn cpu_milli_of(text: &str) -> anyhow::Result<i64> {
+pub(crate) fn cpu_milli_of(text: &str) -> anyhow::Result<i64> {
     let bad = || format!("resources: cpu {text:?} is not a CPU quantity (2, 1.5, 500m)");
     if let Some(milli) = text.strip_suffix('m') {
         return milli
@@ -290,7 +369,7 @@ fn cpu_milli_of(text: &str) -> anyhow::Result<i64> {
 }
 
 /// `64Gi`, `512Mi`, `1G`, `1000000` (bytes) as MiB, rounded up.
-fn memory_mib_of(text: &str) -> anyhow::Result<u64> {
+pub(crate) fn memory_mib_of(text: &str) -> anyhow::Result<u64> {
     const UNITS: [(&str, u128); 8] = [
         ("Ki", 1 << 10),
         ("Mi", 1 << 20),
@@ -407,6 +486,40 @@ spec:
             .to_string();
         assert!(e.contains("lots"), "{e}");
         assert!(parse(&EXAMPLE.replace("name: resnet-sweep-7", "name: \"\"")).is_err());
+    }
+
+    #[test]
+    fn a_gpu_share_is_its_milli_and_memory_and_round_trips() {
+        let text = EXAMPLE.replace(
+            "nvidia.com/gpu: 2",
+            "nvidia.com/gpu-milli: 250\n      nvidia.com/gpu-memory: 10Gi",
+        );
+        let spec = job_spec(&parse(&text).unwrap()).unwrap();
+        assert_eq!(
+            (spec.gpus_per_task, spec.gpu_milli, spec.gpu_memory_mib),
+            (1, 250, 10_240)
+        );
+        let job = pb::Job {
+            spec: Some(spec.clone()),
+            ..Default::default()
+        };
+        let yaml = serde_norway::to_string(&manifest_of(&job)).unwrap();
+        assert!(yaml.contains("nvidia.com/gpu-milli: 250\n"), "{yaml}");
+        assert_eq!(job_spec(&parse(&yaml).unwrap()).unwrap(), spec, "{yaml}");
+        for (bad, says) in [
+            ("nvidia.com/gpu-milli: 1000", "1 to 999"),
+            ("nvidia.com/gpu-memory: 1Gi", "give nvidia.com/gpu-milli"),
+        ] {
+            let text = EXAMPLE.replace("nvidia.com/gpu: 2", bad);
+            let e = job_spec(&parse(&text).unwrap()).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        let text = EXAMPLE.replace(
+            "nvidia.com/gpu: 2",
+            "nvidia.com/gpu-milli: 5\n      nvidia.com/mig-1g.10gb: 1",
+        );
+        let e = job_spec(&parse(&text).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("exclude each other"), "{e}");
     }
 
     #[test]

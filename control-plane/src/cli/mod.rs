@@ -26,6 +26,7 @@ mod bench_submit;
 mod bench_submit_closed;
 mod certs;
 pub mod columns;
+pub mod demo_server;
 mod dev;
 mod job_control;
 mod kube;
@@ -34,8 +35,13 @@ mod manifest;
 mod node;
 pub mod output;
 pub mod parse;
+pub mod probe_spec;
 pub mod progress;
 pub mod replay;
+mod service;
+mod service_manifest;
+pub mod service_output;
+mod service_spec;
 mod simulate;
 pub mod slurm_syntax;
 mod submit;
@@ -100,14 +106,22 @@ pub const DEV_DATA_DIR: &str = "./dev-data";
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum Command {
-    /// Submit a `kind: GpuJob` manifest (Kubernetes-shaped YAML), idempotent by its name.
+    /// Submit a `kind: GpuJob` manifest or create/change a `kind: GpuService` one
+    /// (Kubernetes-shaped YAML), idempotent by its name.
     Apply(kube::ApplyArgs),
-    /// Jobs by name, as `kubectl get` shows them (-o yaml: manifests; -o wide: more columns).
+    /// Jobs or services by name, as `kubectl get` shows them (-o yaml: manifests; -o wide:
+    /// more columns).
     Get(kube::GetArgs),
-    /// One job by name, in full.
+    /// One job or service by name, in full.
     Describe(kube::NamedArgs),
-    /// Cancel the pending or running job of that name.
+    /// Cancel the pending or running job of that name, or delete the service.
     Delete(kube::NamedArgs),
+    /// Long-running services: replicas kept running and restarted, rolled out revision by
+    /// revision, autoscaled (`gpuctl service create web --replicas 2 --port http -- serve`).
+    Service {
+        #[command(subcommand)]
+        command: service::ServiceCommand,
+    },
     /// Print a shell completion script: `gpuctl completions bash > /etc/bash_completion.d/gpuctl`
     /// (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
@@ -248,6 +262,10 @@ pub enum Command {
     /// Run a node agent (what `gpuctl dev` starts for simulated hosts; same flags as `node-agent`).
     #[command(hide = true)]
     Agent(node_agent::agent::cli::AgentArgs),
+    /// A small HTTP server to run as a service's replica in tours and tests: `/`, `/healthz`,
+    /// `/ready`, `/metrics` (docs/SERVICES.md).
+    #[command(hide = true)]
+    DemoServer(demo_server::DemoServerArgs),
 }
 
 #[derive(clap::Args)]
@@ -439,6 +457,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
             return crate::server::run_replica_process(args, crate::config::Defaults::LOG_FILTER);
         }
         Command::Dev(args) => return dev::run(args),
+        Command::DemoServer(args) => return demo_server::run(args),
         Command::Completions { shell } => {
             // Into a buffer first: the generator panics on a write error (`| head`).
             let mut script = Vec::new();
@@ -520,6 +539,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         Command::Get(args) => kube::get(&mut client, args, fmt).await?,
         Command::Describe(args) => kube::describe(&mut client, args, fmt).await?,
         Command::Delete(args) => kube::delete(&mut client, args, fmt).await?,
+        Command::Service { command } => service::run(&mut client, command, fmt).await?,
         Command::Queue(q) => {
             // Checked by clap already (`columns::job_format`); parsed again for the columns.
             let columns = match q.format.as_deref() {
@@ -654,6 +674,7 @@ async fn run_client_command(cli: Cli) -> anyhow::Result<()> {
         | Command::Man
         | Command::Replica(_)
         | Command::Agent(_)
+        | Command::DemoServer(_)
         | Command::Bench { .. }
         | Command::Simulate { .. }
         | Command::Certs { .. } => {

@@ -7,7 +7,8 @@ use serde_json::{Value, json};
 pub enum Format {
     Table,
     Json,
-    /// Manifests for `get`/`describe` (`kind: GpuJob`); elsewhere JSON, which is YAML too.
+    /// Manifests for `get`/`describe` (`kind: GpuJob`, `kind: GpuService`); elsewhere JSON,
+    /// which is YAML too.
     Yaml,
     /// More columns for `get`; elsewhere the table.
     Wide,

@@ -1,4 +1,4 @@
-//! Parsers for Slurm-style flag values: time limits, memory sizes, dependencies.
+//! Parsers for Slurm-style flag values: time limits, memory sizes, durations, dependencies.
 
 use anyhow::{Context, bail};
 use proto::v1::{Dependency, dependency::Kind};
@@ -79,6 +79,40 @@ fn slurm_time_secs(s: &str) -> Option<anyhow::Result<u64>> {
     Some(total.ok_or_else(|| {
         anyhow::anyhow!("time limit {s:?} is too long (at most {MAX_TIME_LIMIT_SECS} seconds)")
     }))
+}
+
+/// Parses a duration for a setting measured in milliseconds (probe periods, back-offs,
+/// deadlines, windows): a human duration (`humantime`: `500ms`, `1s`, `10m`, `1h 30m`) or a
+/// bare number of seconds (`30`, `0.5`). Zero is allowed (the caller decides whether it means
+/// "none"); a value beyond u64 milliseconds is refused, never wrapped.
+pub fn parse_duration_ms(s: &str) -> anyhow::Result<u64> {
+    let s = s.trim();
+    let bad = || {
+        format!(
+            "duration {s:?} is not a number of seconds or a duration such as 500ms, 1s, 10m, 2h"
+        )
+    };
+    if s.is_empty() {
+        bail!(bad());
+    }
+    if !s.chars().any(|c| c.is_ascii_alphabetic()) {
+        let secs: f64 = s
+            .parse()
+            .ok()
+            .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+            .with_context(bad)?;
+        let ms = (secs * 1000.0).round();
+        if ms > u64::MAX as f64 {
+            bail!("duration {s:?} is too long");
+        }
+        return Ok(ms as u64);
+    }
+    let d = humantime::parse_duration(s)
+        .map_err(|e| anyhow::anyhow!("duration {s:?}: {e} (write e.g. 500ms, 1s, 10m, 2h)"))?;
+    if d.subsec_nanos() % 1_000_000 != 0 {
+        bail!("duration {s:?} is finer than a millisecond");
+    }
+    u64::try_from(d.as_millis()).map_err(|_| anyhow::anyhow!("duration {s:?} is too long"))
 }
 
 /// Parses a memory size as Slurm's `--mem` does: a number of MiB, or with a K/M/G/T suffix.
@@ -248,6 +282,31 @@ mod tests {
                 proptest::prop_assert!(secs > 0 && secs <= MAX_TIME_LIMIT_SECS);
             }
         }
+    }
+
+    #[test]
+    fn durations_in_milliseconds() {
+        for (input, want) in [
+            ("500ms", 500),
+            ("1s", 1_000),
+            ("10m", 600_000),
+            ("1h 30m", 5_400_000),
+            ("30", 30_000),
+            ("0.25", 250),
+            ("0", 0),
+            (" 2s ", 2_000),
+        ] {
+            assert_eq!(parse_duration_ms(input).unwrap(), want, "{input}");
+        }
+        for bad in ["", "abc", "-1", "1.5.2", "5 parsecs", "NaN", "inf", "10us"] {
+            assert!(parse_duration_ms(bad).is_err(), "{bad:?} should be refused");
+        }
+        assert!(
+            parse_duration_ms("99999999999999999999999s")
+                .unwrap_err()
+                .to_string()
+                .contains("99999999999999999999999s")
+        );
     }
 
     #[test]

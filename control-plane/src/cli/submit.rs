@@ -205,8 +205,34 @@ pub fn parse_gres(text: &str) -> anyhow::Result<(Option<String>, i64)> {
     }
 }
 
+/// `--cpus C` (fractions allowed) as milli-CPUs.
+pub(crate) fn cpu_milli(cpus: f64) -> anyhow::Result<i64> {
+    if !(cpus.is_finite() && (0.0..=1e9).contains(&cpus)) {
+        bail!("--cpus {cpus} is not a CPU count");
+    }
+    Ok((cpus * 1000.0).round() as i64)
+}
+
+/// One `--env KEY=VALUE`.
+pub(crate) fn env_pair(kv: &str) -> anyhow::Result<(String, String)> {
+    let (k, v) = kv
+        .split_once('=')
+        .with_context(|| format!("--env {kv:?} is not KEY=VALUE"))?;
+    Ok((k.to_owned(), v.to_owned()))
+}
+
+/// `--gpu-model` values, repeated or separated by `|`, as a list of models.
+pub(crate) fn gpu_model_list(values: &[String]) -> Vec<String> {
+    values
+        .iter()
+        .flat_map(|m| m.split('|'))
+        .map(|m| m.trim().to_owned())
+        .filter(|m| !m.is_empty())
+        .collect()
+}
+
 /// `--mount SRC:DST[:ro]` (`:rw` also accepted) as the API takes it.
-fn parse_mount(text: &str) -> anyhow::Result<pb::ContainerMount> {
+pub(crate) fn parse_mount(text: &str) -> anyhow::Result<pb::ContainerMount> {
     let parts: Vec<&str> = text.split(':').collect();
     let (source, target, read_only) = match parts.as_slice() {
         [source, target] => (*source, *target, false),
@@ -258,11 +284,7 @@ pub fn build_request(mut args: SubmitArgs) -> anyhow::Result<pb::SubmitJobReques
         Some(t) => parse_time_limit(t)? as i64,
         None => 0,
     };
-    let cpu_milli_per_task = match args.cpus {
-        Some(c) if !(c.is_finite() && c >= 0.0) => bail!("--cpus {c} is not a CPU count"),
-        Some(c) => (c * 1000.0).round() as i64,
-        None => 0,
-    };
+    let cpu_milli_per_task = args.cpus.map(cpu_milli).transpose()?.unwrap_or(0);
     let memory_mib_per_task = match &args.mem {
         Some(m) => parse_mem_mib(m)? as i64,
         None => 0,
@@ -277,18 +299,10 @@ pub fn build_request(mut args: SubmitArgs) -> anyhow::Result<pb::SubmitJobReques
     };
     let mut env = HashMap::new();
     for kv in &args.env {
-        let (k, v) = kv
-            .split_once('=')
-            .with_context(|| format!("--env {kv:?} is not KEY=VALUE"))?;
-        env.insert(k.to_owned(), v.to_owned());
+        let (k, v) = env_pair(kv)?;
+        env.insert(k, v);
     }
-    let gpu_models = args
-        .gpu_models
-        .iter()
-        .flat_map(|m| m.split('|'))
-        .map(|m| m.trim().to_owned())
-        .filter(|m| !m.is_empty())
-        .collect();
+    let gpu_models = gpu_model_list(&args.gpu_models);
     let name = args.name.unwrap_or_else(|| {
         args.command
             .first()

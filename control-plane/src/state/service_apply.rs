@@ -121,10 +121,7 @@ impl ClusterState {
             RolloutAction::Resume if !matches!(s.rollout, RolloutPhase::Paused { .. }) => Some(
                 Rejection::precondition(format!("service {key}'s rollout is not paused")),
             ),
-            RolloutAction::Undo { to_revision } => match self.undo_target(s, *to_revision) {
-                Ok(_) => None,
-                Err(r) => Some(r),
-            },
+            RolloutAction::Undo { to_revision } => self.undo_target(s, *to_revision).err(),
             _ => None,
         }
     }

@@ -348,7 +348,7 @@ mod tests {
             copy(1, 1, Phase::Starting),
             copy(2, 1, Phase::Pending),
         ];
-        let d = plan(&settings(3, 0, 0 + 1, 2), &copies);
+        let d = plan(&settings(3, 0, 1, 2), &copies);
         // Ready: 1, min ready 2: the ready one stays; both unready ones go.
         assert_eq!(stops(&d), [1, 2]);
     }

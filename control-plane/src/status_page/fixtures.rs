@@ -133,3 +133,103 @@ pub fn status(id: u64, leader: u64) -> pb::ClusterStatusResponse {
         ..Default::default()
     }
 }
+
+/// The service `with_service` adds: tenant, name and key.
+pub const SERVICE: (&str, &str) = ("team-b", "web");
+
+/// Adds a node that hands out ports and a service of two replicas on it: revision 1 placed,
+/// started, one of them ready; then a new command (revision 2, rolling out, its surge copy
+/// placed), and a scale to 3 with a hostile reason (an event). The cluster version is raised first,
+/// as a leader does once every replica reads services.
+pub fn with_service(f: &mut Fixture) {
+    use crate::state::{
+        PortRange, Probe, ProbeCheck, ReplicaTemplate, RestartPolicy, RolloutStrategy, ServiceSpec,
+    };
+    let d = &mut f.driver;
+    assert_eq!(
+        d.apply(&Command::SetClusterVersion { version: 2 }),
+        Outcome::Done
+    );
+    let mut node = node_from_preset("dgx-h100", "s1", None, BTreeMap::new()).unwrap();
+    node.service_ports = Some(PortRange {
+        first: 20000,
+        last: 20099,
+    });
+    node.agent_address = "10.0.0.9:7100".into();
+    assert_eq!(
+        d.apply(&Command::RegisterNode { spec: node }),
+        Outcome::NodeRegistered
+    );
+    let (tenant, name) = SERVICE;
+    let template = |version: &str| ReplicaTemplate {
+        job: JobSpec {
+            tenant: tenant.into(),
+            name: name.into(),
+            command: vec!["serve".into(), version.into(), EVIL.into()],
+            gpus_per_task: 1,
+            tasks: 1,
+            gpu_milli: 500,
+            priority_class: "normal".into(),
+            ports: vec!["http".into()],
+            env: [("TOKEN".to_owned(), EVIL.to_owned())].into(),
+            ..JobSpec::default()
+        },
+        readiness: Some(Probe::new(ProbeCheck::Http {
+            port: "http".into(),
+            path: "/ready".into(),
+        })),
+        liveness: Some(Probe::new(ProbeCheck::Exec {
+            command: vec!["/bin/sh".into(), "-c".into(), format!("test {EVIL}")],
+        })),
+    };
+    let spec = |version: &str| ServiceSpec {
+        tenant: tenant.into(),
+        name: name.into(),
+        template: template(version),
+        replicas: 2,
+        strategy: RolloutStrategy::default(),
+        restart: RestartPolicy::default(),
+        autoscale: None,
+    };
+    let put = |d: &mut Driver, s: ServiceSpec| {
+        let o = d.apply(&Command::PutService {
+            spec: Box::new(s),
+            create_only: false,
+        });
+        assert!(matches!(o, Outcome::ServiceChanged { .. }), "{o:?}");
+    };
+    put(d, spec("--v1"));
+    pass(d);
+    let key = crate::state::service_key(tenant, name);
+    let replica_allocations = |d: &Driver| -> Vec<u64> {
+        d.state.services[&key]
+            .replicas
+            .values()
+            .flat_map(|j| d.state.allocations_of(*j).map(|a| a.allocation.id))
+            .collect()
+    };
+    let placed = replica_allocations(d);
+    assert_eq!(placed.len(), 2, "both replicas placed");
+    for a in &placed {
+        assert_eq!(
+            d.apply(&Command::AllocationStarted { allocation: *a }),
+            Outcome::Done
+        );
+    }
+    assert_eq!(
+        d.apply(&Command::ReplicaReadiness {
+            allocation: placed[0],
+            ready: true,
+            reason: String::new(),
+        }),
+        Outcome::Done
+    );
+    put(d, spec("--v2"));
+    pass(d);
+    let o = d.apply(&Command::ScaleService {
+        service: key,
+        replicas: 3,
+        reason: EVIL.into(),
+    });
+    assert!(matches!(o, Outcome::ServiceChanged { .. }), "{o:?}");
+}

@@ -31,6 +31,8 @@ pub fn routes(router: Router<HttpState>, mode: Mode) -> Router<HttpState> {
         .route("/nodes/{name}", get(node))
         .route("/queue", get(queue))
         .route("/jobs/{id}", get(job))
+        .route("/services", get(services))
+        .route("/services/{tenant}/{name}", get(service))
         .route("/tenants", get(tenants))
 }
 
@@ -109,6 +111,31 @@ async fn node(State(s): State<HttpState>, Path(name): Path<String>) -> Response 
 
 async fn queue(State(s): State<HttpState>) -> Response {
     render(s, |p| (StatusCode::OK, super::queue::render_queue(p))).await
+}
+
+async fn services(State(s): State<HttpState>) -> Response {
+    render(s, |p| (StatusCode::OK, super::services::render_services(p))).await
+}
+
+async fn service(
+    State(s): State<HttpState>,
+    Path((tenant, name)): Path<(String, String)>,
+) -> Response {
+    // What the leader's autoscaler sees (empty on a follower), read before the state's lock.
+    let autoscaler = s
+        .replica
+        .services
+        .status(&crate::state::service_key(&tenant, &name));
+    render(s, move |p| {
+        match super::services::render_service(p, &tenant, &name, &autoscaler) {
+            Some(html) => (StatusCode::OK, html),
+            None => (
+                StatusCode::NOT_FOUND,
+                super::services::render_missing_service(p, &tenant, &name),
+            ),
+        }
+    })
+    .await
 }
 
 async fn tenants(State(s): State<HttpState>) -> Response {

@@ -9,10 +9,11 @@ use crate::state::{JobState, MILLI_PER_GPU, Timestamp};
 const STYLE: &str = include_str!("style.css");
 
 /// The pages of the navigation bar: (path, label).
-const NAV: [(&str, &str); 4] = [
+const NAV: [(&str, &str); 5] = [
     ("/", "Cluster"),
     ("/nodes", "Nodes"),
     ("/queue", "Queue"),
+    ("/services", "Services"),
     ("/tenants", "Tenants"),
 ];
 

@@ -78,6 +78,18 @@ fn job_body(p: &Page, job: &Job, logs: &Logs) -> Markup {
         table.kv {
             tr { th { "tenant" } td { (s.tenant) } }
             tr { th { "name" } td { @if full { (s.name) } @else { (withheld) } } }
+            @if let Some(r) = &job.replica {
+                tr { th { "replica of" } td {
+                    @if full {
+                        @let (tenant, name) = r.service.split_once('/').unwrap_or(("", &r.service));
+                        "service " a href=(super::services::service_path(tenant, name)) { (name) }
+                    } @else { "a service " (withheld) }
+                    ", replica " (r.ordinal) " at revision " (r.revision) ": "
+                    @if r.ready { "ready" } @else { "not ready" }
+                    ", " (r.restarts) " restart(s)"
+                    @if let Some(e) = &r.last_exit { ", last exit: " (e) }
+                } }
+            }
             tr { th { "command" } td { @if full { code { (shell_words(&s.command)) } } @else { (withheld) } } }
             tr { th { "asks for" } td {
                 (shape(s))

@@ -3,7 +3,9 @@
 //!
 //! Routes: `/` (cluster, replicas, leader), `/nodes` (the GPU grid), `/nodes/{name}` (one
 //! node: its GPUs and NVLink/PCIe matrix), `/queue` (pending and running jobs with reasons),
-//! `/jobs/{id}` (a job: spec, history, attempts, logs) and `/tenants` (usage against quota).
+//! `/jobs/{id}` (a job: spec, history, attempts, logs), `/services` and
+//! `/services/{tenant}/{name}` (services, their replicas, revisions and events) and
+//! `/tenants` (usage against quota).
 //!
 //! Layout: one file per page, each a pure `render_*` function from the replica's applied state
 //! (and a [`View`] of this replica) to HTML: no I/O, unit-tested on built states. [`handlers`]
@@ -23,10 +25,13 @@ pub mod job;
 pub mod node;
 pub mod nodes;
 pub mod queue;
+pub mod services;
 pub mod tenants;
 
 #[cfg(test)]
 mod fixtures;
+#[cfg(test)]
+mod services_tests;
 #[cfg(test)]
 mod tests;
 

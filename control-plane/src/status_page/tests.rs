@@ -9,7 +9,7 @@ use super::{Mode, Page, StatusPageFlag, View};
 use crate::scheduler::Board;
 use crate::state::ClusterState;
 
-fn page<'a>(
+pub(super) fn page<'a>(
     cluster: &'a ClusterState,
     status: &'a proto::v1::ClusterStatusResponse,
     board: Option<&'a Board>,
@@ -40,6 +40,7 @@ fn all_pages(p: &Page, f: &Fixture) -> Vec<(String, String)> {
             super::node::render_node(p, "m1").unwrap(),
         ),
         ("/queue".into(), super::queue::render_queue(p)),
+        ("/services".into(), super::services::render_services(p)),
         ("/tenants".into(), super::tenants::render_tenants(p)),
     ];
     for id in [whole, share, mig, pending] {
@@ -290,6 +291,8 @@ fn an_empty_cluster_renders_every_page_and_says_what_to_do() {
     assert!(render_nodes(&p, &NodesFilter::default()).contains("No node has registered yet"));
     assert!(super::queue::render_queue(&p).contains("No job is waiting."));
     assert!(super::tenants::render_tenants(&p).contains("No tenant is defined"));
+    assert!(super::services::render_services(&p).contains("No service runs."));
+    assert!(super::services::render_service(&p, "t", "web", "").is_none());
     assert!(
         super::cluster::render_cluster(&p).contains("<div class=\"big\">0</div><div>nodes</div>")
     );

@@ -106,6 +106,69 @@ pub struct AgentArgs {
     /// --insecure too). For benchmarks and throwaway test networks only.
     #[arg(long)]
     pub insecure: bool,
+    /// Host ports this node hands to tasks that ask for named ports (a service's replicas,
+    /// `PORT` and `GPUCP_PORT_<NAME>`), as FIRST-LAST; `off`: none, and such tasks are not
+    /// placed here. Keep the range out of the kernel's ephemeral range
+    /// (/proc/sys/net/ipv4/ip_local_port_range), whose ports outgoing connections take.
+    #[arg(
+        long,
+        value_name = "FIRST-LAST|off",
+        default_value = "20000-32000",
+        env = SERVICE_PORTS_ENV
+    )]
+    pub service_ports: String,
+}
+
+/// The environment variable that gives `--service-ports` when the flag is absent: what a
+/// local cluster sets for its simulated hosts, since an agent of an older release (a rolling
+/// upgrade test) would refuse the flag but ignores the variable.
+pub const SERVICE_PORTS_ENV: &str = "GPUCP_AGENT_SERVICE_PORTS";
+
+/// A node's range of host ports for named task ports, both ends included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServicePorts {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl ServicePorts {
+    /// `--service-ports`: `FIRST-LAST` (1 to 65535, first <= last) or `off` (`None`).
+    pub fn parse(text: &str) -> anyhow::Result<Option<ServicePorts>> {
+        let text = text.trim();
+        if text.eq_ignore_ascii_case("off") {
+            return Ok(None);
+        }
+        let usage = || {
+            format!(
+                "--service-ports {text:?} is not a range of ports: give FIRST-LAST (e.g. 20000-32000, ports 1 to 65535) or off"
+            )
+        };
+        let (first, last) = text.split_once('-').with_context(usage)?;
+        let port = |p: &str| p.trim().parse::<u16>().ok().filter(|p| *p > 0);
+        let (Some(first), Some(last)) = (port(first), port(last)) else {
+            bail!(usage());
+        };
+        if first > last {
+            bail!("--service-ports {text:?}: the first port is above the last; give FIRST-LAST");
+        }
+        Ok(Some(ServicePorts { first, last }))
+    }
+
+    /// The part of the range inside `ephemeral` (the kernel's range for outgoing
+    /// connections, from `ip_local_port_range`), if any: a replica given such a port may
+    /// find it taken by a connection.
+    pub fn overlap(&self, ephemeral: (u16, u16)) -> Option<(u16, u16)> {
+        let first = self.first.max(ephemeral.0);
+        let last = self.last.min(ephemeral.1);
+        (first <= last).then_some((first, last))
+    }
+}
+
+/// The kernel's ephemeral port range (`/proc/sys/net/ipv4/ip_local_port_range`).
+fn ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut parts = text.split_whitespace().map(|p| p.parse::<u16>().ok());
+    Some((parts.next()??, parts.next()??))
 }
 
 /// The agent's transport and the node name its certificate gives.
@@ -225,6 +288,18 @@ impl AgentArgs {
                 (Arc::new(NvmlBackend::new()?), None)
             }
         };
+        let service_ports = ServicePorts::parse(&self.service_ports)?;
+        if let (Some(range), Some(ephemeral)) = (service_ports, ephemeral_ports())
+            && let Some((first, last)) = range.overlap(ephemeral)
+        {
+            tracing::warn!(
+                "--service-ports {}-{}: ports {first}-{last} are in the kernel's ephemeral range {}-{} (net.ipv4.ip_local_port_range), which outgoing connections take ports from: a replica may find its port taken; move the range or set net.ipv4.ip_local_reserved_ports",
+                range.first,
+                range.last,
+                ephemeral.0,
+                ephemeral.1
+            );
+        }
         let endpoints: Vec<String> = self
             .control_plane
             .split(',')
@@ -255,6 +330,7 @@ impl AgentArgs {
                     pull: self.image_pull,
                 },
                 metrics_listen: self.metrics_listen,
+                service_ports,
             },
             backend,
             simulated,
@@ -339,6 +415,58 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    #[test]
+    fn service_ports_are_a_range_or_off_and_a_bad_one_says_how_to_write_it() {
+        let sim = ["--name", "s", "--simulated", "h100-pcie-1gpu"];
+        let built = build(&sim).expect("builds");
+        assert_eq!(
+            built.config.service_ports,
+            Some(ServicePorts {
+                first: 20_000,
+                last: 32_000
+            }),
+            "Nomad's dynamic port range by default"
+        );
+        let with = |range: &str| {
+            let mut args = sim.to_vec();
+            args.extend(["--service-ports", range]);
+            build(&args).map(|b| b.config.service_ports)
+        };
+        assert_eq!(
+            with("40000-40099").expect("builds"),
+            Some(ServicePorts {
+                first: 40_000,
+                last: 40_099
+            })
+        );
+        assert_eq!(
+            with("7-7").expect("builds"),
+            Some(ServicePorts { first: 7, last: 7 })
+        );
+        assert_eq!(with("off").expect("builds"), None);
+        assert_eq!(with("OFF").expect("builds"), None);
+        for bad in ["40000", "0-10", "10-70000", "a-b", "9-8", "", "-", "1-2-3"] {
+            let e = with(bad).expect_err(bad).to_string();
+            assert!(e.contains("--service-ports"), "{bad}: {e}");
+            assert!(
+                e.contains("FIRST-LAST"),
+                "{bad}: the message says what to give: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_range_in_the_ephemeral_range_is_found() {
+        let r = ServicePorts {
+            first: 20_000,
+            last: 40_000,
+        };
+        assert_eq!(r.overlap((32_768, 60_999)), Some((32_768, 40_000)));
+        assert_eq!(r.overlap((40_000, 60_999)), Some((40_000, 40_000)));
+        assert_eq!(r.overlap((40_001, 60_999)), None);
+        assert_eq!(r.overlap((1_024, 19_999)), None);
     }
 
     #[test]

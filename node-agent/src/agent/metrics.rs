@@ -25,6 +25,9 @@ pub struct AgentMetrics {
     pub exits: Family<Labels, Counter>,
     pub xids: Family<Labels, Counter>,
     pub gpu_healthy: Family<Labels, Gauge>,
+    pub probe_failures: Family<Labels, Counter>,
+    pub liveness_restarts: Counter,
+    pub scrape_failures: Counter,
 }
 
 impl AgentMetrics {
@@ -39,6 +42,9 @@ impl AgentMetrics {
             exits: Family::default(),
             xids: Family::default(),
             gpu_healthy: Family::default(),
+            probe_failures: Family::default(),
+            liveness_restarts: Counter::default(),
+            scrape_failures: Counter::default(),
         };
         registry.register(
             "allocations_running",
@@ -77,6 +83,21 @@ impl AgentMetrics {
             m.gpu_healthy.clone(),
         );
         registry.register(
+            "probe_failures",
+            "Failed checks of service replicas' probes, by kind (readiness, liveness); a probe changes its status only after its threshold of failures in a row",
+            m.probe_failures.clone(),
+        );
+        registry.register(
+            "liveness_restarts",
+            "Service replicas stopped because their liveness probe failed (the control plane then restarts them)",
+            m.liveness_restarts.clone(),
+        );
+        registry.register(
+            "metric_scrape_failures",
+            "Scrapes of autoscaled replicas' gauges that found no value (page unreachable, gauge missing, not a number)",
+            m.scrape_failures.clone(),
+        );
+        registry.register(
             "enforcement",
             "What this node enforces on allocations (mode: cgroup v1/v2/hybrid or unenforced) and its container engine",
             Info::new(vec![
@@ -107,6 +128,12 @@ impl AgentMetrics {
     pub fn exited(&self, event: pa::allocation_report::Event) {
         self.exits
             .get_or_create(&vec![("kind", exit_kind(event).to_owned())])
+            .inc();
+    }
+
+    pub fn probe_failed(&self, kind: &'static str) {
+        self.probe_failures
+            .get_or_create(&vec![("kind", kind.to_owned())])
             .inc();
     }
 
@@ -182,6 +209,9 @@ mod tests {
         m.launched("ok", std::time::Duration::from_millis(3));
         m.exited(pa::allocation_report::Event::TimedOut);
         m.xid("GPU-1", 79);
+        m.probe_failed("readiness");
+        m.probe_failed("readiness");
+        m.liveness_restarts.inc();
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &m.registry).unwrap();
         for want in [
@@ -191,6 +221,9 @@ mod tests {
             "gpucp_agent_gpu_xid_events_total{gpu=\"GPU-1\",code=\"79\"} 1",
             "gpucp_agent_enforcement_info{node=\"n1\",mode=\"unenforced\"",
             "gpucp_agent_gpu_healthy{gpu=\"GPU-",
+            "gpucp_agent_probe_failures_total{kind=\"readiness\"} 2",
+            "gpucp_agent_liveness_restarts_total 1",
+            "gpucp_agent_metric_scrape_failures_total 0",
         ] {
             assert!(text.contains(want), "no {want:?} in\n{text}");
         }

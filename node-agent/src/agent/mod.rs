@@ -12,17 +12,29 @@
 //! - reports: send starts and exits in order, retrying; an exit is forgotten only once the
 //!   control plane has acknowledged it, so it is reported exactly once in effect. Reports of
 //!   distinct allocations go out together (see `report_loop`);
-//! - GPU events: classify Xids, report health, stop what ran on a failed GPU.
+//! - GPU events: classify Xids, report health, stop what ran on a failed GPU;
+//! - replica watches (`replicas`): one task per running service replica with probes or an
+//!   autoscaling gauge, started and ended by the tick; readiness changes go out as reports
+//!   (after the replica's start), a failed liveness probe stops the replica as failed, gauge
+//!   values ride the heartbeats.
+//!
+//! An assignment not to be started before its `start_after_ms` (a replica restarting after
+//! its back-off) waits in the desired set: reconcile launches it once due, the tick loop
+//! wakes for that moment, and a stop before then reports it stopped without starting it.
 
+mod checks;
 pub mod cli;
 pub mod containers;
 pub mod control;
 mod devices;
+mod gauge;
 mod gpu_usage;
 mod http;
 pub mod metrics;
 mod output_files;
+mod probes;
 pub mod reconcile;
+mod replicas;
 pub mod restart;
 mod service;
 pub mod task_env;
@@ -30,6 +42,7 @@ pub mod task_env;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -77,6 +90,9 @@ pub struct AgentConfig {
     pub containers: containers::ContainerOptions,
     /// Plain HTTP address for `/metrics`, `/healthz` and `/readyz` (`agent::http`); none: off.
     pub metrics_listen: Option<String>,
+    /// Host ports the node hands to tasks with named ports (`--service-ports`); none: such
+    /// tasks are not placed here.
+    pub service_ports: Option<cli::ServicePorts>,
 }
 
 /// Whether allocations get cgroups of their own (`--cgroups`).
@@ -177,6 +193,9 @@ enum StopCause {
     GpuFault(String),
     /// An application error (e.g. Xid 13): the job fails, the GPU stays healthy.
     JobFault(String),
+    /// The replica's liveness probe failed (the reason says how): it fails, and the
+    /// control plane restarts it.
+    Liveness(String),
 }
 
 struct State {
@@ -194,6 +213,11 @@ struct State {
     job_allocations: BTreeMap<u64, u64>,
     /// GPU use of the live allocations, from the driver's per-process samples.
     gpu_usage: gpu_usage::GpuUsageTracker,
+    /// Allocations found running when the agent started (re-adopted): the control plane may
+    /// hold either readiness for them.
+    adopted: BTreeSet<u64>,
+    /// Assignments waiting for their start time (so each wait is logged once).
+    waiting: BTreeSet<u64>,
 }
 
 pub struct Agent {
@@ -231,6 +255,13 @@ pub struct Agent {
     registrations: tokio::sync::watch::Sender<u64>,
     /// Prometheus series (`agent::metrics`).
     metrics: metrics::AgentMetrics,
+    /// The watches over running service replicas (`agent::replicas`).
+    watches: Mutex<replicas::Watches>,
+    /// The latest gauge value of each autoscaled replica, sent with every heartbeat.
+    gauges: Mutex<BTreeMap<u64, pa::ReplicaMetric>>,
+    /// When the earliest waiting assignment is due (ms since the epoch; 0: none waits): the
+    /// tick loop wakes then.
+    next_launch_at: AtomicU64,
 }
 
 impl Agent {
@@ -323,7 +354,99 @@ impl Agent {
             agent_release: RELEASE.to_owned(),
             enforcement: self.enforcement.clone(),
             container_runtime: self.container_runtime.clone(),
-            service_ports: None,
+            service_ports: self.config.service_ports.map(|r| pa::PortRange {
+                first: u32::from(r.first),
+                last: u32::from(r.last),
+            }),
+        }
+    }
+
+    /// The gauges to send with a heartbeat: the latest of each watched replica, or why it is
+    /// missing when its scrapes stopped coming (a stuck scrape must not pass an old value off
+    /// as current: the leader dates a value by the heartbeat that carries it).
+    fn heartbeat_gauges(&self, now_ms: u64) -> Vec<pa::ReplicaMetric> {
+        let stale_after = 5 * replicas::SCRAPE_EVERY.as_millis() as u64;
+        self.gauges
+            .lock()
+            .expect("gauges lock poisoned")
+            .values()
+            .map(|m| {
+                let age = now_ms.saturating_sub(m.at_ms);
+                if age > stale_after {
+                    pa::ReplicaMetric {
+                        value: 0.0,
+                        error: format!(
+                            "the agent's last scrape of the gauge was {} s ago",
+                            age / 1000
+                        ),
+                        ..m.clone()
+                    }
+                } else {
+                    m.clone()
+                }
+            })
+            .collect()
+    }
+
+    /// Starts a watch for each running replica that has probes or a gauge and ends those of
+    /// replicas no longer running. `live` is the runtime's set taken with the events whose
+    /// starts the caller has just queued, so every replica watched has its STARTED queued
+    /// before anything its probes report.
+    fn sync_watches(self: &Arc<Self>, live: &[u64]) {
+        let (wanted, may_start) = {
+            let st = self.lock();
+            let set = st.last_set.as_ref();
+            let wanted: BTreeSet<u64> = live
+                .iter()
+                .copied()
+                .filter(|id| !st.stopping.contains_key(id) && !st.finished.contains(id))
+                .filter(|id| match set {
+                    Some(set) => set.allocations.iter().any(|a| {
+                        a.allocation_id == *id
+                            && !a.stop
+                            && a.replica.as_ref().is_some_and(replicas::wants_watch)
+                    }),
+                    // No set now (a restart, a new registration): keep what runs.
+                    None => true,
+                })
+                .collect();
+            (wanted, set.is_some() && !st.fenced)
+        };
+        let sink: Arc<dyn replicas::ReplicaSink> = self.clone();
+        let ended = {
+            let mut watches = self.watches.lock().expect("watches lock poisoned");
+            watches.sync(
+                &wanted,
+                may_start,
+                |id, watched_before| {
+                    let st = self.lock();
+                    let a = st
+                        .last_set
+                        .as_ref()?
+                        .allocations
+                        .iter()
+                        .find(|a| a.allocation_id == id)?;
+                    let fresh = !watched_before && !st.adopted.contains(&id);
+                    Some(replicas::WatchSpec {
+                        allocation_id: id,
+                        replica: a.replica.clone()?,
+                        started_at_ms: st.runtime.started_at_ms(id)?,
+                        readiness: if fresh {
+                            probes::Status::Failing
+                        } else {
+                            probes::Status::Unknown
+                        },
+                        exec: st.runtime.exec_target(id),
+                    })
+                },
+                &sink,
+            )
+        };
+        if !ended.is_empty() {
+            let mut gauges = self.gauges.lock().expect("gauges lock poisoned");
+            for id in ended {
+                gauges.remove(&id);
+            }
         }
     }
 
@@ -349,10 +472,23 @@ impl Agent {
         };
         let live: BTreeSet<u64> = st.runtime.live().into_iter().collect();
         let stopping: BTreeSet<u64> = st.stopping.keys().copied().collect();
-        let actions = reconcile(&set, &live, &st.finished, &stopping);
+        let actions = reconcile(&set, &live, &st.finished, &stopping, now_ms());
         tracing::trace!(?live, stops = ?set.allocations.iter().filter(|a| a.stop).map(|a| a.allocation_id).collect::<Vec<_>>(), ?actions, "reconcile");
+        let mut waiting = BTreeSet::new();
+        let mut next_due = u64::MAX;
         for action in actions {
             match action {
+                Action::Wait { id, until_ms } => {
+                    if !st.waiting.contains(&id) {
+                        tracing::info!(
+                            allocation = id,
+                            in_ms = until_ms.saturating_sub(now_ms()),
+                            "not to be started yet (a restart's back-off): waiting"
+                        );
+                    }
+                    waiting.insert(id);
+                    next_due = next_due.min(until_ms);
+                }
                 Action::Stop(id) => {
                     tracing::info!(allocation = id, "no longer assigned: stopping");
                     st.stopping.insert(id, StopCause::NotAssigned);
@@ -362,6 +498,7 @@ impl Agent {
                 }
                 Action::Abandon(id) => {
                     tracing::info!(allocation = id, "stopped before it started here");
+                    st.waiting.remove(&id);
                     st.finished.insert(id);
                     self.queue_exit(
                         &mut st,
@@ -469,6 +606,11 @@ impl Agent {
                 }
             }
         }
+        st.waiting = waiting;
+        self.next_launch_at.store(
+            if next_due == u64::MAX { 0 } else { next_due },
+            Ordering::SeqCst,
+        );
     }
 
     /// Stops every workload: the lease to the control plane has expired.
@@ -494,10 +636,11 @@ impl Agent {
         }
     }
 
-    fn tick(&self) {
+    fn tick(self: &Arc<Self>) {
         // Poll and record exits under one lock, so a reconcile in between never sees an
-        // allocation that is neither live nor finished (and tries to start it again).
-        let events = {
+        // allocation that is neither live nor finished (and tries to start it again). What
+        // runs is read under the same lock: its launches' starts are among these events.
+        let (events, live) = {
             let mut st = self.lock();
             let events = st.runtime.poll();
             for ev in &events {
@@ -505,7 +648,7 @@ impl Agent {
                     st.finished.insert(*allocation_id);
                 }
             }
-            events
+            (events, st.runtime.live())
         };
         for ev in events {
             match ev {
@@ -526,13 +669,18 @@ impl Agent {
                     allocation_id,
                     kind,
                     usage,
+                    failure,
                     ..
                 } => {
                     let cause = {
                         let mut st = self.lock();
                         st.finished.insert(allocation_id);
+                        st.adopted.remove(&allocation_id);
                         st.stopping.remove(&allocation_id)
                     };
+                    // The runtime kept the failure it was stopped for: an agent restarted
+                    // during the stop still reports it as that failure.
+                    let cause = cause.or_else(|| failure.map(StopCause::Liveness));
                     let mut report = exit_report(allocation_id, &kind, cause);
                     report.usage = usage;
                     report.gpu_usage = self.lock().gpu_usage.take(allocation_id);
@@ -549,6 +697,8 @@ impl Agent {
         if expired {
             self.fence();
         }
+        // After the starts above are queued: a watch's first report follows its STARTED.
+        self.sync_watches(&live);
         self.reconcile_now();
     }
 
@@ -587,6 +737,84 @@ impl Agent {
                 tracing::warn!(allocation = id, error = %e, "stop failed");
             }
         }
+    }
+}
+
+/// What the replica watches find, acted on: readiness changes become reports (only while the
+/// replica runs and is not being stopped: a stopping or ended replica is unready anyway), a
+/// failed liveness probe stops the replica as failed, gauges wait for the next heartbeat.
+impl replicas::ReplicaSink for Agent {
+    fn readiness(&self, allocation: u64, change: probes::Change) {
+        use pa::allocation_report::Event;
+        let (event, reason) = match change {
+            probes::Change::Passing => (Event::Ready, String::new()),
+            probes::Change::Failing { reason } => (Event::NotReady, reason),
+        };
+        let mut st = self.lock();
+        if st.fenced
+            || st.finished.contains(&allocation)
+            || st.stopping.contains_key(&allocation)
+            || st.runtime.started_at_ms(allocation).is_none()
+        {
+            return;
+        }
+        tracing::info!(allocation, ?event, %reason, "replica readiness changed");
+        st.reports.push_back(Report::Allocation(AllocationReport {
+            allocation_id: allocation,
+            event,
+            exit_code: None,
+            signal: 0,
+            reason,
+            exit: false,
+            usage: None,
+            gpu_usage: None,
+        }));
+        drop(st);
+        self.reports_ready.notify_one();
+    }
+
+    fn liveness_failed(&self, allocation: u64, reason: String) {
+        let reason = format!("liveness probe failed: {reason}");
+        let mut st = self.lock();
+        if st.fenced
+            || st.finished.contains(&allocation)
+            || st.stopping.contains_key(&allocation)
+            || st.runtime.started_at_ms(allocation).is_none()
+        {
+            return;
+        }
+        tracing::warn!(allocation, %reason, "stopping the replica");
+        self.metrics.liveness_restarts.inc();
+        st.stopping
+            .insert(allocation, StopCause::Liveness(reason.clone()));
+        if let Err(e) = st.runtime.stop_failed(allocation, reason) {
+            tracing::warn!(allocation, error = %e, "stop failed");
+        }
+    }
+
+    fn check_failed(&self, allocation: u64, kind: replicas::ProbeKind, reason: &str) {
+        tracing::debug!(allocation, probe = kind.label(), %reason, "probe check failed");
+        self.metrics.probe_failed(kind.label());
+    }
+
+    fn gauge(&self, allocation: u64, value: Result<f64, String>, at_ms: u64) {
+        let (value, error) = match value {
+            Ok(v) => (v, String::new()),
+            Err(e) => {
+                tracing::debug!(allocation, error = %e, "scraping the replica's gauge failed");
+                self.metrics.scrape_failures.inc();
+                (0.0, e)
+            }
+        };
+        self.gauges.lock().expect("gauges lock poisoned").insert(
+            allocation,
+            pa::ReplicaMetric {
+                allocation_id: allocation,
+                value,
+                error,
+                at_ms,
+            },
+        );
     }
 }
 
@@ -630,6 +858,13 @@ fn launch_spec(
         &a.task_hosts,
         &env,
     ));
+    let ports: Vec<(String, u32)> = a.ports.iter().map(|p| (p.name.clone(), p.port)).collect();
+    let place = a.replica.as_ref().map(|r| task_env::ReplicaPlace {
+        service: &r.service,
+        ordinal: r.ordinal,
+        revision: r.revision,
+    });
+    env.extend(task_env::service_env(&ports, place.as_ref()));
     if a.array_job_id > 0 {
         env.extend(task_env::array_env(
             &task_env::ArrayPlace {
@@ -781,7 +1016,7 @@ fn exit_report(allocation_id: u64, kind: &ExitKind, cause: Option<StopCause>) ->
             r.reason = format!("killed by signal {signal}");
         }
         (ExitKind::TimedOut, _) => r.event = Event::TimedOut,
-        (_, Some(StopCause::JobFault(reason))) => r.reason = reason,
+        (_, Some(StopCause::JobFault(reason) | StopCause::Liveness(reason))) => r.reason = reason,
         (_, Some(StopCause::GpuFault(reason))) => {
             r.event = Event::Lost;
             r.reason = reason;
@@ -860,6 +1095,7 @@ pub async fn run(
     if !readopted.is_empty() {
         tracing::info!(allocations = ?readopted, "re-adopted running workloads");
     }
+    let adopted: BTreeSet<u64> = readopted.iter().copied().collect();
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -889,7 +1125,12 @@ pub async fn run(
             fenced: false,
             job_allocations: load_job_index(&config.state_dir),
             gpu_usage: Default::default(),
+            adopted,
+            waiting: BTreeSet::new(),
         }),
+        watches: Mutex::new(replicas::Watches::new(tokio::runtime::Handle::current())),
+        gauges: Mutex::new(BTreeMap::new()),
+        next_launch_at: AtomicU64::new(0),
         reports_ready: Notify::new(),
         tick_now: Notify::new(),
         simulated,
@@ -944,6 +1185,8 @@ pub async fn run(
     for t in tasks.into_iter().chain(reloader).chain(metrics_port) {
         t.abort();
     }
+    // Their tasks hold the agent (and so its runtime's lock on the state directory).
+    agent.watches.lock().expect("watches lock poisoned").clear();
     save_job_index(&agent.config.state_dir, &agent.lock().job_allocations);
     tracing::info!("agent stopping; workloads keep running under their shims");
     served.context("serving the agent API")?;
@@ -1033,7 +1276,7 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
                 node: agent.config.name.clone(),
                 running,
                 incarnation: agent.incarnation.clone(),
-                replica_metrics: Vec::new(),
+                replica_metrics: agent.heartbeat_gauges(sent_at_ms),
             };
             match control
                 .call(interval.max(Duration::from_millis(200)), |mut c| {
@@ -1127,9 +1370,18 @@ async fn tick_loop(agent: Arc<Agent>) {
         tracing::warn!("cannot watch SIGCHLD; exits are noticed on the 100 ms tick only");
     }
     loop {
+        // A launch waiting for its start time is made when due, not up to a tick later.
+        let due = agent.next_launch_at.load(Ordering::SeqCst);
+        let launch_due = async {
+            if due == 0 {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(Duration::from_millis(due.saturating_sub(now_ms()))).await;
+        };
         tokio::select! {
             _ = tick.tick() => {}
             _ = agent.tick_now.notified() => {}
+            () = launch_due => {}
             Some(()) = async {
                 match child_exited.as_mut() {
                     Some(s) => s.recv().await,
@@ -1462,6 +1714,86 @@ mod tests {
         assert_eq!(
             launch_spec(&inv, &Default::default(), &across).numa_node,
             None
+        );
+    }
+
+    #[test]
+    fn a_liveness_stop_is_reported_failed_with_its_reason_whoever_noticed_the_exit() {
+        use pa::allocation_report::Event;
+        let why = "liveness probe failed: GET http://127.0.0.1:20001/healthz answered 503";
+        for kind in [
+            ExitKind::Stopped,
+            ExitKind::Signaled { signal: 9 },
+            ExitKind::Exited { code: 0 },
+        ] {
+            let r = exit_report(5, &kind, Some(StopCause::Liveness(why.into())));
+            assert_eq!(
+                (r.event, r.reason.as_str()),
+                (Event::Failed, why),
+                "{kind:?}"
+            );
+            assert!(r.exit);
+        }
+        // Without the agent's cause (it restarted during the stop) a plain stop is STOPPED:
+        // the tick then takes the cause from the runtime's record of the failure.
+        assert_eq!(
+            exit_report(5, &ExitKind::Stopped, None).event,
+            Event::Stopped
+        );
+    }
+
+    #[test]
+    fn launch_specs_of_replicas_carry_their_ports_and_place() {
+        let inv = SimulatedBackend::from_preset("h100-pcie-1gpu", "n")
+            .expect("preset")
+            .inventory()
+            .expect("inventory");
+        let a = pa::Assignment {
+            allocation_id: 11,
+            job_id: 6,
+            command: vec!["serve".into()],
+            env: [("PORT".to_owned(), "8080".to_owned())].into(),
+            ports: vec![
+                pa::NamedPort {
+                    name: "http".into(),
+                    port: 20_004,
+                },
+                pa::NamedPort {
+                    name: "grpc".into(),
+                    port: 20_005,
+                },
+            ],
+            replica: Some(pa::ReplicaInfo {
+                service: "t/web".into(),
+                ordinal: 2,
+                revision: 3,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let s = launch_spec(&inv, &Default::default(), &a);
+        assert_eq!(
+            s.env["PORT"], "20004",
+            "the given port wins over the template's"
+        );
+        assert_eq!(s.env["GPUCP_PORT_HTTP"], "20004");
+        assert_eq!(s.env["GPUCP_PORT_GRPC"], "20005");
+        assert_eq!(s.env["GPUCP_SERVICE"], "t/web");
+        assert_eq!(s.env["GPUCP_SERVICE_NAME"], "web");
+        assert_eq!(s.env["GPUCP_REPLICA"], "2");
+        assert_eq!(s.env["GPUCP_REVISION"], "3");
+        // A batch job without ports keeps its own PORT and gets none of these.
+        let plain = pa::Assignment {
+            ports: Vec::new(),
+            replica: None,
+            ..a
+        };
+        let s = launch_spec(&inv, &Default::default(), &plain);
+        assert_eq!(s.env["PORT"], "8080");
+        assert!(
+            !s.env
+                .keys()
+                .any(|k| k.starts_with("GPUCP_PORT_") || k.starts_with("GPUCP_SERVICE"))
         );
     }
 

@@ -1,5 +1,6 @@
-//! Desired (from the leader) against running (from the runtime), both ways: what to launch and
-//! what to stop. Pure, so every rule is table-tested.
+//! Desired (from the leader) against running (from the runtime), both ways: what to launch,
+//! what to stop, and what waits for its start time (a service replica restarting after its
+//! back-off). Pure, with the clock passed in, so every rule is table-tested.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -12,6 +13,12 @@ pub enum Action {
     /// The control plane wants it stopped but it never started here: report it stopped so
     /// its GPUs are released.
     Abandon(u64),
+    /// Wanted, but not to be started before `until_ms` (ms since the Unix epoch, the leader's
+    /// clock): launched by a later pass once due. A stop before then abandons it.
+    Wait {
+        id: u64,
+        until_ms: u64,
+    },
 }
 
 /// Fencing state: the newest (term, epoch) an assignment set came with.
@@ -36,12 +43,15 @@ impl Fence {
 
 /// `live`: allocations whose processes run (or are stopping). `finished`: allocations that ran
 /// on this node and ended; they are never started again, even if a set computed before their
-/// exit report still lists them. `stopping`: allocations already being stopped.
+/// exit report still lists them. `stopping`: allocations already being stopped. `now_ms`: this
+/// host's clock, against which each assignment's `start_after_ms` is read (a host whose
+/// clock runs behind the leader's starts a delayed replica that much later).
 pub fn reconcile(
     desired: &Assignments,
     live: &BTreeSet<u64>,
     finished: &BTreeSet<u64>,
     stopping: &BTreeSet<u64>,
+    now_ms: u64,
 ) -> Vec<Action> {
     let wanted: BTreeMap<u64, &Assignment> = desired
         .allocations
@@ -56,7 +66,15 @@ pub fn reconcile(
         }
     }
     for (id, a) in &wanted {
-        if !live.contains(id) && !finished.contains(id) {
+        if live.contains(id) || finished.contains(id) {
+            continue;
+        }
+        if a.start_after_ms > now_ms {
+            actions.push(Action::Wait {
+                id: *id,
+                until_ms: a.start_after_ms,
+            });
+        } else {
             actions.push(Action::Launch(Box::new((*a).clone())));
         }
     }
@@ -94,7 +112,7 @@ mod tests {
 
     #[test]
     fn launches_what_is_missing_and_stops_what_is_not_wanted() {
-        let actions = reconcile(&set(1, &[1, 2]), &ids(&[2, 3]), &ids(&[]), &ids(&[]));
+        let actions = reconcile(&set(1, &[1, 2]), &ids(&[2, 3]), &ids(&[]), &ids(&[]), 0);
         assert_eq!(actions.len(), 2);
         assert!(actions.contains(&Action::Stop(3)));
         assert!(matches!(&actions[1], Action::Launch(a) if a.allocation_id == 1));
@@ -106,19 +124,51 @@ mod tests {
         for a in &mut s.allocations {
             a.stop = true;
         }
-        let actions = reconcile(&s, &ids(&[8]), &ids(&[]), &ids(&[]));
+        let actions = reconcile(&s, &ids(&[8]), &ids(&[]), &ids(&[]), 0);
         assert_eq!(actions, vec![Action::Stop(8), Action::Abandon(7)]);
-        assert!(reconcile(&s, &ids(&[]), &ids(&[7, 8]), &ids(&[])).is_empty());
+        assert!(reconcile(&s, &ids(&[]), &ids(&[7, 8]), &ids(&[]), 0).is_empty());
     }
 
     #[test]
     fn a_finished_allocation_is_never_started_again() {
-        assert!(reconcile(&set(1, &[4]), &ids(&[]), &ids(&[4]), &ids(&[])).is_empty());
+        assert!(reconcile(&set(1, &[4]), &ids(&[]), &ids(&[4]), &ids(&[]), 0).is_empty());
     }
 
     #[test]
     fn a_stop_already_under_way_is_not_repeated() {
-        assert!(reconcile(&set(1, &[]), &ids(&[5]), &ids(&[]), &ids(&[5])).is_empty());
+        assert!(reconcile(&set(1, &[]), &ids(&[5]), &ids(&[]), &ids(&[5]), 0).is_empty());
+    }
+
+    #[test]
+    fn a_replica_waits_for_its_start_time_and_a_stop_before_then_abandons_it() {
+        let mut s = set(1, &[3, 4]);
+        s.allocations[0].start_after_ms = 5_000;
+        let none = ids(&[]);
+        // Not yet due: it waits (4, due at once, launches).
+        let actions = reconcile(&s, &none, &none, &none, 4_999);
+        assert_eq!(actions.len(), 2, "{actions:?}");
+        assert_eq!(
+            actions[0],
+            Action::Wait {
+                id: 3,
+                until_ms: 5_000
+            }
+        );
+        assert!(matches!(&actions[1], Action::Launch(a) if a.allocation_id == 4));
+        // Due at its time exactly.
+        let actions = reconcile(&s, &ids(&[4]), &none, &none, 5_000);
+        assert!(
+            matches!(actions.as_slice(), [Action::Launch(a)] if a.allocation_id == 3),
+            "{actions:?}"
+        );
+        // Started already (e.g. before an agent restart): neither waits nor starts again.
+        assert!(reconcile(&s, &ids(&[3, 4]), &none, &none, 0).is_empty());
+        // Stopped before it was due: reported stopped, never started.
+        s.allocations[0].stop = true;
+        assert_eq!(
+            reconcile(&s, &ids(&[4]), &none, &none, 0),
+            vec![Action::Abandon(3)]
+        );
     }
 
     #[test]

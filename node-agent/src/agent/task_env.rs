@@ -1,7 +1,9 @@
 //! The variables a task of a multi-task job finds, so that torchrun, DeepSpeed, Horovod and
 //! scripts written for Slurm start without a wrapper: its rank among the job's tasks, the
 //! world size, its rank on its host, the rendezvous address and port, and the Slurm names of
-//! the same. Pure: computed from the assignment alone.
+//! the same; and what a service's replica needs to serve: its host ports (`PORT`,
+//! `GPUCP_PORT_<NAME>`) and which replica of which service it is. Pure: computed from the
+//! assignment alone.
 
 use std::collections::BTreeMap;
 
@@ -109,9 +111,84 @@ pub fn array_env(a: &ArrayPlace, user: &BTreeMap<String, String>) -> BTreeMap<St
     env
 }
 
+/// Which replica of which service a task is.
+pub struct ReplicaPlace<'a> {
+    /// The service's key, `tenant/name`.
+    pub service: &'a str,
+    pub ordinal: u32,
+    pub revision: u64,
+}
+
+/// The variables of a task given host ports and, for a service's replica, its place:
+/// `PORT` (the first port, the name most servers read), `GPUCP_PORT_<NAME>` for each (the
+/// name upper-cased, anything but letters, digits and `_` made `_`), and `GPUCP_SERVICE`,
+/// `GPUCP_SERVICE_NAME`, `GPUCP_REPLICA`, `GPUCP_REVISION`. All of them win over the job's own
+/// environment: the ports are this copy's alone (a fixed `PORT` in a service's template
+/// would make two replicas on one host collide, and the probes check the given port).
+pub fn service_env(
+    ports: &[(String, u32)],
+    replica: Option<&ReplicaPlace<'_>>,
+) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    if let Some((_, first)) = ports.first() {
+        env.insert("PORT".to_owned(), first.to_string());
+    }
+    for (name, port) in ports {
+        if name.is_empty() {
+            continue;
+        }
+        let name: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_uppercase()
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        env.insert(format!("GPUCP_PORT_{name}"), port.to_string());
+    }
+    if let Some(r) = replica {
+        let name = r.service.split_once('/').map_or(r.service, |(_, n)| n);
+        env.insert("GPUCP_SERVICE".to_owned(), r.service.to_owned());
+        env.insert("GPUCP_SERVICE_NAME".to_owned(), name.to_owned());
+        env.insert("GPUCP_REPLICA".to_owned(), r.ordinal.to_string());
+        env.insert("GPUCP_REVISION".to_owned(), r.revision.to_string());
+    }
+    env
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replica_finds_its_ports_and_its_place_in_its_service() {
+        let ports = vec![
+            ("http".to_owned(), 20_007),
+            ("metrics_2".to_owned(), 20_008),
+        ];
+        let place = ReplicaPlace {
+            service: "team-a/web",
+            ordinal: 3,
+            revision: 12,
+        };
+        let e = service_env(&ports, Some(&place));
+        assert_eq!(e["PORT"], "20007", "the first port");
+        assert_eq!(e["GPUCP_PORT_HTTP"], "20007");
+        assert_eq!(e["GPUCP_PORT_METRICS_2"], "20008");
+        assert_eq!(e["GPUCP_SERVICE"], "team-a/web");
+        assert_eq!(e["GPUCP_SERVICE_NAME"], "web");
+        assert_eq!(e["GPUCP_REPLICA"], "3");
+        assert_eq!(e["GPUCP_REVISION"], "12");
+        // A name the control plane would refuse still makes a usable variable name.
+        let odd = service_env(&[("a-b.c".to_owned(), 1)], None);
+        assert_eq!(odd["GPUCP_PORT_A_B_C"], "1");
+        assert!(!odd.contains_key("GPUCP_SERVICE"));
+        // No ports, no replica: nothing.
+        assert!(service_env(&[], None).is_empty());
+    }
 
     #[test]
     fn array_jobs_find_their_index_under_slurms_names() {

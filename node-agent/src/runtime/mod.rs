@@ -46,6 +46,6 @@ pub use record_log::frame_line;
 pub use shim::{SHIM_EXECUTABLE, SHIM_PROTOCOL, SHIM_PROTOCOL_FLAG, shim_command, shim_main};
 pub use supervisor::Runtime;
 pub use types::{
-    DEFAULT_FENCE_GRACE, DEFAULT_STOP_GRACE, ExitKind, GpuShare, LaunchSpec, RuntimeConfig,
-    RuntimeError, RuntimeEvent, StopReason,
+    DEFAULT_FENCE_GRACE, DEFAULT_STOP_GRACE, ExecTarget, ExitKind, GpuShare, LaunchSpec,
+    RuntimeConfig, RuntimeError, RuntimeEvent, StopReason,
 };

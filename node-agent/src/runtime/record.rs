@@ -147,6 +147,11 @@ fn inode_flags(file: &File) -> io::Result<libc::c_int> {
 pub(crate) struct StopRequest {
     pub reason: StopReason,
     pub term_sent_at_ms: u64,
+    /// Set when the agent stopped the allocation because it failed a check of its own (a
+    /// liveness probe): the exit is reported as that failure, also by a restarted agent.
+    /// Older agents ignore the field (the stop then reads as a plain stop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
 }
 
 /// An exit the runtime has observed and reported (until `forget`).
@@ -497,6 +502,7 @@ mod tests {
         r.stop = Some(StopRequest {
             reason: StopReason::Fenced,
             term_sent_at_ms: 2000,
+            failure: None,
         });
         r.kill_sent_at_ms = Some(3000);
         r.exit = Some(RecordedExit {
@@ -716,6 +722,7 @@ mod tests {
         r.stop = Some(StopRequest {
             reason: StopReason::Requested,
             term_sent_at_ms: 4,
+            failure: None,
         });
         assert_eq!(
             classify(&r, Some(&exited), &ShimFate::Gone),
@@ -724,7 +731,37 @@ mod tests {
         r.stop = Some(StopRequest {
             reason: StopReason::TimeLimit,
             term_sent_at_ms: 4,
+            failure: None,
         });
         assert_eq!(classify(&r, None, &ShimFate::PidReused), ExitKind::TimedOut);
+    }
+
+    #[test]
+    fn a_stop_for_a_failed_check_keeps_its_failure_and_older_stops_still_load() {
+        let mut r = record();
+        r.stop = Some(StopRequest {
+            reason: StopReason::Requested,
+            term_sent_at_ms: 7,
+            failure: Some("liveness probe failed: connection refused".into()),
+        });
+        let json = serde_json::to_string(&r).expect("encode");
+        assert_eq!(
+            serde_json::from_str::<AllocationRecord>(&json).expect("decode"),
+            r
+        );
+        // Written by an agent before the field: no failure.
+        let old = r#"{"reason":"requested","term_sent_at_ms":7}"#;
+        let stop: StopRequest = serde_json::from_str(old).expect("decode");
+        assert_eq!(stop.failure, None);
+        // A plain stop writes nothing new, so older agents read it as before.
+        let plain = StopRequest {
+            failure: None,
+            ..stop
+        };
+        assert!(
+            !serde_json::to_string(&plain)
+                .expect("encode")
+                .contains("failure")
+        );
     }
 }

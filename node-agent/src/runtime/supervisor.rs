@@ -27,7 +27,9 @@ use super::record::{
 };
 use super::record_log::RecordLog;
 use super::shim::ShimArgs;
-use super::types::{ExitKind, LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason};
+use super::types::{
+    ExecTarget, ExitKind, LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason,
+};
 
 /// One allocation as the runtime tracks it.
 #[derive(Debug)]
@@ -93,6 +95,7 @@ impl Runtime {
                     kind: exit.kind.clone(),
                     at_ms: exit.at_ms,
                     usage: exit.usage,
+                    failure: record.stop.as_ref().and_then(|s| s.failure.clone()),
                 });
             }
             let launching = record.is_live() && record.shim_pid.is_none();
@@ -341,6 +344,70 @@ impl Runtime {
             return Ok(());
         }
         self.begin_stop(allocation_id, reason, now_ms())
+    }
+
+    /// Stops an allocation because it failed a check the agent runs (its liveness probe):
+    /// as [`Runtime::stop`] with [`StopReason::Requested`] (SIGTERM, SIGKILL after the stop
+    /// grace, the cgroup or container emptied), and `failure` is kept with the stop request,
+    /// so its exit event carries it ([`RuntimeEvent::Exited::failure`]), also when a
+    /// restarted agent finds the exit. Does nothing to an allocation already stopping.
+    pub fn stop_failed(&mut self, allocation_id: u64, failure: String) -> Result<(), RuntimeError> {
+        let entry = self
+            .entries
+            .get(&allocation_id)
+            .ok_or(RuntimeError::Unknown(allocation_id))?;
+        if !entry.record.is_live() || entry.record.stop.is_some() {
+            return Ok(());
+        }
+        self.begin_stop_with(
+            allocation_id,
+            StopReason::Requested,
+            Some(failure),
+            now_ms(),
+        )
+    }
+
+    /// When a live allocation's command was released to run (ms since the Unix epoch): what
+    /// its probes' initial delay counts from, also for one re-adopted after a restart.
+    pub fn started_at_ms(&self, allocation_id: u64) -> Option<u64> {
+        self.entries
+            .get(&allocation_id)
+            .filter(|e| e.record.is_live() && e.record.shim_pid.is_some())
+            .map(|e| e.record.started_at_ms)
+    }
+
+    /// Where a command runs beside live allocation `allocation_id` (its exec probe): in its
+    /// container, or on the host with the allocation's environment, working directory and
+    /// cgroup. `None` for an allocation that is not live.
+    pub fn exec_target(&self, allocation_id: u64) -> Option<ExecTarget> {
+        let entry = self.entries.get(&allocation_id)?;
+        let record = &entry.record;
+        if !record.is_live() {
+            return None;
+        }
+        let spec = &record.spec;
+        if spec.container.is_some() {
+            let engine = self.config.containers.as_ref()?;
+            return Some(ExecTarget::Container {
+                socket: engine.socket.clone(),
+                name: super::container::container_name(&self.config.state_dir, allocation_id),
+            });
+        }
+        let log_dir = self.layout.log_dir(allocation_id);
+        // The rule the launch applied: the job's directory where the host has it.
+        let workdir = match &spec.workdir {
+            Some(dir) if dir.is_dir() => dir.clone(),
+            _ => log_dir,
+        };
+        Some(ExecTarget::Host {
+            env: command_env(spec, |key| std::env::var(key).ok()),
+            workdir,
+            cgroup_procs: record
+                .cgroup
+                .as_ref()
+                .map(|cg| cg.procs_files())
+                .unwrap_or_default(),
+        })
     }
 
     /// Reaps exits, escalates stops whose grace has passed, enforces time limits, and
@@ -659,12 +726,23 @@ impl Runtime {
     }
 
     fn begin_stop(&mut self, id: u64, reason: StopReason, now: u64) -> Result<(), RuntimeError> {
+        self.begin_stop_with(id, reason, None, now)
+    }
+
+    fn begin_stop_with(
+        &mut self,
+        id: u64,
+        reason: StopReason,
+        failure: Option<String>,
+        now: u64,
+    ) -> Result<(), RuntimeError> {
         let Some(entry) = self.entries.get_mut(&id) else {
             return Err(RuntimeError::Unknown(id));
         };
         entry.record.stop = Some(StopRequest {
             reason,
             term_sent_at_ms: now,
+            failure,
         });
         tracing::info!(allocation = id, ?reason, "stopping allocation");
         // Persist before signalling: a restarted agent must know the exit was ours.
@@ -920,6 +998,7 @@ impl Runtime {
             usage,
         });
         let cgroup = entry.record.cgroup.clone();
+        let failure = entry.record.stop.as_ref().and_then(|s| s.failure.clone());
         self.persist(id);
         if let Some(cg) = cgroup
             && let Err(e) = cg.remove()
@@ -931,6 +1010,7 @@ impl Runtime {
             kind,
             at_ms,
             usage,
+            failure,
         });
     }
 }

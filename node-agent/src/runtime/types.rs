@@ -159,6 +159,28 @@ pub enum RuntimeEvent {
         /// What its cgroup measured, where it had one.
         #[serde(default)]
         usage: Option<crate::cgroup::Usage>,
+        /// The failure it was stopped for ([`super::Runtime::stop_failed`]), if any.
+        #[serde(default)]
+        failure: Option<String>,
+    },
+}
+
+/// Where a command runs beside a live allocation (an exec probe), as
+/// [`super::Runtime::exec_target`] says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecTarget {
+    /// A process of the host: the allocation's environment and working directory, and its
+    /// cgroup (`cgroup.procs` files to join; empty where the node does not enforce).
+    Host {
+        env: BTreeMap<String, String>,
+        workdir: PathBuf,
+        cgroup_procs: Vec<PathBuf>,
+    },
+    /// Inside the allocation's container, through the engine at `socket` (`None`: the
+    /// default socket).
+    Container {
+        socket: Option<String>,
+        name: String,
     },
 }
 

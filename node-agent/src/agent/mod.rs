@@ -220,6 +220,18 @@ struct State {
     waiting: BTreeSet<u64>,
 }
 
+impl State {
+    /// Whether what a replica's watch finds still matters: the replica runs, is not being
+    /// stopped (a stopping or ended replica is unready anyway) and the agent is not fenced.
+    fn watchable(&self, allocation: u64) -> bool {
+        !self.fenced
+            && !self.finished.contains(&allocation)
+            && !self.stopping.contains_key(&allocation)
+            && !self.runtime.is_stopping(allocation)
+            && self.runtime.started_at_ms(allocation).is_some()
+    }
+}
+
 pub struct Agent {
     config: AgentConfig,
     /// Random id kept in the state directory; tells this agent apart from another one that
@@ -399,7 +411,12 @@ impl Agent {
             let wanted: BTreeSet<u64> = live
                 .iter()
                 .copied()
-                .filter(|id| !st.stopping.contains_key(id) && !st.finished.contains(id))
+                .filter(|id| {
+                    !st.stopping.contains_key(id)
+                        && !st.finished.contains(id)
+                        // Stopped by an earlier life of the agent (e.g. for its liveness).
+                        && !st.runtime.is_stopping(*id)
+                })
                 .filter(|id| match set {
                     Some(set) => set.allocations.iter().any(|a| {
                         a.allocation_id == *id
@@ -740,9 +757,9 @@ impl Agent {
     }
 }
 
-/// What the replica watches find, acted on: readiness changes become reports (only while the
-/// replica runs and is not being stopped: a stopping or ended replica is unready anyway), a
-/// failed liveness probe stops the replica as failed, gauges wait for the next heartbeat.
+/// What the replica watches find, acted on (while [`State::watchable`]): readiness changes
+/// become reports, a failed liveness probe stops the replica as failed; gauges wait for the
+/// next heartbeat.
 impl replicas::ReplicaSink for Agent {
     fn readiness(&self, allocation: u64, change: probes::Change) {
         use pa::allocation_report::Event;
@@ -751,11 +768,7 @@ impl replicas::ReplicaSink for Agent {
             probes::Change::Failing { reason } => (Event::NotReady, reason),
         };
         let mut st = self.lock();
-        if st.fenced
-            || st.finished.contains(&allocation)
-            || st.stopping.contains_key(&allocation)
-            || st.runtime.started_at_ms(allocation).is_none()
-        {
+        if !st.watchable(allocation) {
             return;
         }
         tracing::info!(allocation, ?event, %reason, "replica readiness changed");
@@ -776,11 +789,7 @@ impl replicas::ReplicaSink for Agent {
     fn liveness_failed(&self, allocation: u64, reason: String) {
         let reason = format!("liveness probe failed: {reason}");
         let mut st = self.lock();
-        if st.fenced
-            || st.finished.contains(&allocation)
-            || st.stopping.contains_key(&allocation)
-            || st.runtime.started_at_ms(allocation).is_none()
-        {
+        if !st.watchable(allocation) {
             return;
         }
         tracing::warn!(allocation, %reason, "stopping the replica");

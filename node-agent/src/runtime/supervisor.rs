@@ -367,6 +367,14 @@ impl Runtime {
         )
     }
 
+    /// Whether live allocation `allocation_id` is being stopped (by this runtime's life or,
+    /// re-adopted, by an earlier one).
+    pub fn is_stopping(&self, allocation_id: u64) -> bool {
+        self.entries
+            .get(&allocation_id)
+            .is_some_and(|e| e.record.is_live() && e.record.stop.is_some())
+    }
+
     /// When a live allocation's command was released to run (ms since the Unix epoch): what
     /// its probes' initial delay counts from, also for one re-adopted after a restart.
     pub fn started_at_ms(&self, allocation_id: u64) -> Option<u64> {

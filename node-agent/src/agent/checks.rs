@@ -498,6 +498,143 @@ mod tests {
         assert_eq!(e, "the replica is no longer running here");
     }
 
+    /// Builds a `FROM scratch` image of this host's `sh` and `sleep` (and the libraries they
+    /// load) with the Docker CLI, if an engine answers as root; `None` (saying why) otherwise,
+    /// unless the run requires an engine (`GPUCP_REQUIRE_DOCKER=1` or `CI`, as `.ci/run`).
+    fn exec_test_image() -> Option<&'static str> {
+        use std::process::Command;
+        const IMAGE: &str = "gpucp-test/agent-exec:1";
+        // SAFETY: geteuid has no arguments and cannot fail.
+        let root = unsafe { libc::geteuid() == 0 };
+        let engine = Command::new("docker")
+            .args(["info", "--format", "{{.ServerVersion}}"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !(root && engine) {
+            let required = std::env::var("GPUCP_REQUIRE_DOCKER").is_ok_and(|v| v == "1")
+                || std::env::var_os("CI").is_some();
+            assert!(!required, "a Docker engine is required here but not usable");
+            eprintln!("no Docker engine reachable as root here; container exec checks not run");
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let rootfs = dir.path().join("root");
+        std::fs::create_dir_all(rootfs.join("bin")).expect("mkdir");
+        for program in ["sh", "sleep"] {
+            let path = ["/bin", "/usr/bin"]
+                .iter()
+                .map(|d| std::path::Path::new(d).join(program))
+                .find(|p| p.is_file())
+                .expect("the program on this host");
+            std::fs::copy(&path, rootfs.join("bin").join(program)).expect("copy");
+            let ldd = Command::new("ldd").arg(&path).output().expect("ldd");
+            for lib in String::from_utf8_lossy(&ldd.stdout)
+                .lines()
+                .filter_map(|l| l.split_whitespace().find(|w| w.starts_with('/')))
+            {
+                let into = rootfs.join(lib.trim_start_matches('/'));
+                std::fs::create_dir_all(into.parent().expect("a parent")).expect("mkdir");
+                std::fs::copy(lib, &into).expect("copy library");
+            }
+        }
+        std::fs::write(
+            dir.path().join("Dockerfile"),
+            "FROM scratch\nCOPY root/ /\n",
+        )
+        .expect("write");
+        let built = Command::new("docker")
+            .args(["build", "-q", "-t", IMAGE])
+            .arg(dir.path())
+            .output()
+            .expect("docker build");
+        assert!(
+            built.status.success(),
+            "{}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        Some(IMAGE)
+    }
+
+    #[tokio::test]
+    async fn exec_checks_of_a_container_replica_run_inside_it_and_are_killed_past_their_timeout() {
+        use std::process::Command;
+        let Some(image) = exec_test_image() else {
+            return;
+        };
+        let name = format!("gpucp-exec-check-{}", std::process::id());
+        let started = Command::new("docker")
+            .args([
+                "run",
+                "-d",
+                "--rm",
+                "--network",
+                "host",
+                "-e",
+                "MARK=inside",
+            ])
+            .args(["--name", &name, image, "sleep", "600"])
+            .output()
+            .expect("docker run");
+        assert!(
+            started.status.success(),
+            "{}",
+            String::from_utf8_lossy(&started.stderr)
+        );
+        let exec = Exec::new(Some(ExecTarget::Container {
+            socket: None,
+            name: name.clone(),
+        }));
+        let sh = |script: &str| {
+            Check::Exec(pa::ExecCheck {
+                command: vec!["sh".into(), "-c".into(), script.into()],
+            })
+        };
+        // The container's environment, not the agent's.
+        let inside = run(&sh("test \"$MARK\" = inside"), T, &exec).await;
+        let failed = run(&sh("echo unwell >&2; exit 4"), T, &exec).await;
+        // Past its timeout: failed, and its process (seen from the host) killed.
+        let slow = run(
+            &Check::Exec(pa::ExecCheck {
+                command: vec!["sleep".into(), "31.25".into()],
+            }),
+            Duration::from_millis(500),
+            &exec,
+        )
+        .await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let sleeping = || {
+            std::fs::read_dir("/proc")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|e| {
+                    std::fs::read(e.path().join("cmdline"))
+                        .is_ok_and(|c| c == b"sleep\x0031.25\x00")
+                })
+        };
+        while sleeping() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left = sleeping();
+        let _ = Command::new("docker").args(["rm", "-f", &name]).output();
+        let gone = run(&sh("true"), T, &exec).await;
+        assert_eq!(inside, Ok(()));
+        assert_eq!(
+            failed,
+            Err("the check's command exited with code 4: unwell".into())
+        );
+        assert_eq!(
+            slow,
+            Err("the check's command did not finish within 500 ms".into())
+        );
+        assert!(!left, "the timed-out check still runs");
+        let gone = gone.unwrap_err();
+        assert!(
+            gone.starts_with(&format!("cannot run the check in container {name}")),
+            "{gone}"
+        );
+    }
+
     #[tokio::test]
     async fn a_scrape_sums_the_gauge_and_says_why_it_has_none() {
         let port = serve(200, "# TYPE q gauge\nq{a=\"1\"} 2\nq{a=\"2\"} 3\n").await;

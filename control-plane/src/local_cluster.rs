@@ -1,6 +1,10 @@
 //! A control plane made of local child processes on loopback: what `gpuctl dev`, the
 //! benchmarks and the multi-process tests run. Each replica is a real process with its own data
 //! directory and log file; this type starts, signals and restarts them and waits for a leader.
+//!
+//! Every simulated host shares the machine's ports, so each gets a block of host ports of its
+//! own for service replicas ([`ServicePortBlock`]), outside the kernel's ephemeral range (where
+//! [`free_ports`] finds the replicas' and agents' ports) and held for the cluster's life.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -57,6 +61,9 @@ pub struct AgentProcess {
     /// Program and leading arguments that run this agent instead of the cluster's
     /// `agent_program`, from its next start on (a rolling upgrade of agents).
     pub program: Option<(PathBuf, Vec<String>)>,
+    /// The host ports it hands to service replicas (none: no block was free, and the agent
+    /// is started with none).
+    pub service_ports: Option<ServicePortBlock>,
     child: Option<Child>,
 }
 
@@ -104,6 +111,63 @@ pub struct LocalCluster {
 
 /// Where a local cluster keeps its certificates, under its root.
 pub const TLS_SUBDIR: &str = "tls";
+
+/// Ports per simulated host's block (the first is the block's reservation, the rest its
+/// range): a replica takes at most 16 named ports, and a dev host runs a few replicas.
+pub const SERVICE_PORT_BLOCK: u16 = 32;
+/// Where blocks are looked for: above the well-known and registered ports most local
+/// services use, and outside 20000-32000 (an agent's default range, and where multi-task
+/// jobs' MASTER_PORT lies) and the kernel's ephemeral range.
+const SERVICE_PORTS_FROM: u16 = 10_000;
+const AVOIDED: (u16, u16) = (20_000, 32_000);
+
+/// A block of host ports one simulated host hands to service replicas (`--service-ports`,
+/// through the agent's environment, which agents of older releases ignore). Its first port is
+/// held bound for the block's life, which reserves the block machine-wide: another local
+/// cluster (a test running beside this one, another `gpuctl dev`) finds that port taken and
+/// moves on. Its range is the ports after it.
+#[derive(Debug)]
+pub struct ServicePortBlock {
+    pub first: u16,
+    pub last: u16,
+    _reservation: TcpListener,
+}
+
+impl ServicePortBlock {
+    /// The `--service-ports` value of the block.
+    pub fn range(&self) -> String {
+        format!("{}-{}", self.first, self.last)
+    }
+
+    /// Reserves the first free block outside `ephemeral` (the kernel's range, from
+    /// `ip_local_port_range`; default Linux's 32768-60999) and 20000-32000.
+    pub fn reserve() -> Option<ServicePortBlock> {
+        let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|t| {
+                let mut p = t.split_whitespace().map(|p| p.parse::<u16>().ok());
+                Some((p.next()??, p.next()??))
+            })
+            .unwrap_or((32_768, 60_999));
+        Self::reserve_outside(&[ephemeral, AVOIDED])
+    }
+
+    fn reserve_outside(avoid: &[(u16, u16)]) -> Option<ServicePortBlock> {
+        let mut start = SERVICE_PORTS_FROM;
+        while let Some(end) = start.checked_add(SERVICE_PORT_BLOCK - 1) {
+            let clear = avoid.iter().all(|(a, b)| end < *a || start > *b);
+            if clear && let Ok(reservation) = TcpListener::bind(("127.0.0.1", start)) {
+                return Some(ServicePortBlock {
+                    first: start + 1,
+                    last: end,
+                    _reservation: reservation,
+                });
+            }
+            start = end.checked_add(1)?;
+        }
+        None
+    }
+}
 
 /// Free loopback ports, found by binding port 0. The ports are released before the replicas
 /// bind them; on a test machine nothing else races for them in that instant.
@@ -289,6 +353,7 @@ impl LocalCluster {
                 log_path: self.root.join(format!("agent-{name}.log")),
                 extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
                 program: None,
+                service_ports: ServicePortBlock::reserve(),
                 child: None,
             },
         );
@@ -353,6 +418,14 @@ impl LocalCluster {
         .arg(&a.state_dir)
         .args(&security)
         .args(&a.extra_args)
+        // Its own block (a `--service-ports` among the extra args wins); with none free,
+        // none, rather than the default range every host would share.
+        .env(
+            node_agent::agent::cli::SERVICE_PORTS_ENV,
+            a.service_ports
+                .as_ref()
+                .map_or_else(|| "off".to_owned(), ServicePortBlock::range),
+        )
         .envs(self.env.iter().map(|(k, v)| (k, v)))
         .envs(source_env(self.bind_source, &a.addr))
         .stdin(Stdio::null())
@@ -758,5 +831,35 @@ pub fn kill_workloads(agent_state_dir: &Path) {
         .is_ok_and(|log| log.contains("\"container\""));
     if had_containers {
         node_agent::runtime::container_runner::remove_all_of_blocking(None, &runtime_dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_port_blocks_are_disjoint_reserved_and_clear_of_the_avoided_ranges() {
+        let ephemeral = (32_768, 60_999);
+        let blocks: Vec<ServicePortBlock> = (0..3)
+            .map(|_| ServicePortBlock::reserve_outside(&[ephemeral, AVOIDED]).expect("a block"))
+            .collect();
+        for (i, b) in blocks.iter().enumerate() {
+            assert_eq!(b.last - b.first + 2, SERVICE_PORT_BLOCK, "{b:?}");
+            for (a, z) in [ephemeral, AVOIDED] {
+                assert!(b.last < a || b.first > z, "{b:?} overlaps {a}-{z}");
+            }
+            // The port before the range holds the reservation.
+            assert!(TcpListener::bind(("127.0.0.1", b.first - 1)).is_err());
+            for other in &blocks[i + 1..] {
+                assert!(b.last < other.first - 1 || other.last < b.first - 1);
+            }
+        }
+        assert_eq!(
+            blocks[0].range(),
+            format!("{}-{}", blocks[0].first, blocks[0].last)
+        );
+        // Nowhere left: none.
+        assert!(ServicePortBlock::reserve_outside(&[(0, u16::MAX)]).is_none());
     }
 }

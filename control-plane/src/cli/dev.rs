@@ -189,6 +189,16 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
         println!("  replicas:  {}", cluster.endpoints().join("  "));
         if !names.is_empty() {
             println!("  simulated GPU hosts: {} (see `gpuctl nodes`)", names.join(", "));
+            // Each host's own block, since they all share this machine's ports.
+            let ranges: Vec<String> = cluster
+                .agents
+                .values()
+                .map(|a| match &a.service_ports {
+                    Some(block) => format!("{} {}", a.name, block.range()),
+                    None => format!("{} none (no free block)", a.name),
+                })
+                .collect();
+            println!("  service ports: {} (PORT, GPUCP_PORT_<NAME> of service replicas)", ranges.join(", "));
         }
         if !args.no_metrics {
             let urls: Vec<String> = cluster

@@ -373,31 +373,14 @@ impl Agent {
         }
     }
 
-    /// The gauges to send with a heartbeat: the latest of each watched replica, or why it is
-    /// missing when its scrapes stopped coming (a stuck scrape must not pass an old value off
-    /// as current: the leader dates a value by the heartbeat that carries it).
-    fn heartbeat_gauges(&self, now_ms: u64) -> Vec<pa::ReplicaMetric> {
-        let stale_after = 5 * replicas::SCRAPE_EVERY.as_millis() as u64;
-        self.gauges
-            .lock()
-            .expect("gauges lock poisoned")
-            .values()
-            .map(|m| {
-                let age = now_ms.saturating_sub(m.at_ms);
-                if age > stale_after {
-                    pa::ReplicaMetric {
-                        value: 0.0,
-                        error: format!(
-                            "the agent's last scrape of the gauge was {} s ago",
-                            age / 1000
-                        ),
-                        ..m.clone()
-                    }
-                } else {
-                    m.clone()
-                }
-            })
-            .collect()
+    /// The gauges to send with a heartbeat: the latest of each running replica (`running`),
+    /// or why it is missing when its scrapes stopped coming (a stuck scrape must not pass an
+    /// old value off as current: the leader dates a value by the heartbeat that carries it).
+    /// Gauges of allocations no longer running are dropped (one a watch's last scrape left).
+    fn heartbeat_gauges(&self, now_ms: u64, running: &[u64]) -> Vec<pa::ReplicaMetric> {
+        let mut gauges = self.gauges.lock().expect("gauges lock poisoned");
+        gauges.retain(|id, _| running.contains(id));
+        gauges.values().map(|m| gauge_as_sent(m, now_ms)).collect()
     }
 
     /// Starts a watch for each running replica that has probes or a gauge and ends those of
@@ -824,6 +807,24 @@ impl replicas::ReplicaSink for Agent {
                 at_ms,
             },
         );
+    }
+}
+
+/// A replica's latest gauge as a heartbeat sends it at `now_ms`: as scraped, or, when the
+/// scrape is more than five scrape periods old, an error saying so.
+fn gauge_as_sent(m: &pa::ReplicaMetric, now_ms: u64) -> pa::ReplicaMetric {
+    let stale_after = 5 * replicas::SCRAPE_EVERY.as_millis() as u64;
+    let age = now_ms.saturating_sub(m.at_ms);
+    if age <= stale_after {
+        return m.clone();
+    }
+    pa::ReplicaMetric {
+        value: 0.0,
+        error: format!(
+            "the agent's last scrape of the gauge was {} s ago",
+            age / 1000
+        ),
+        ..m.clone()
     }
 }
 
@@ -1283,9 +1284,9 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
             let running = agent.lock().runtime.live();
             let hb = pa::HeartbeatRequest {
                 node: agent.config.name.clone(),
+                replica_metrics: agent.heartbeat_gauges(sent_at_ms, &running),
                 running,
                 incarnation: agent.incarnation.clone(),
-                replica_metrics: agent.heartbeat_gauges(sent_at_ms),
             };
             match control
                 .call(interval.max(Duration::from_millis(200)), |mut c| {
@@ -1749,6 +1750,26 @@ mod tests {
             exit_report(5, &ExitKind::Stopped, None).event,
             Event::Stopped
         );
+    }
+
+    #[test]
+    fn a_gauge_goes_out_as_scraped_until_it_is_old_then_as_an_error() {
+        let m = pa::ReplicaMetric {
+            allocation_id: 4,
+            value: 7.5,
+            error: String::new(),
+            at_ms: 100_000,
+        };
+        assert_eq!(gauge_as_sent(&m, 105_000), m);
+        let old = gauge_as_sent(&m, 112_000);
+        assert_eq!(old.allocation_id, 4);
+        assert_eq!(old.at_ms, 100_000);
+        assert_eq!(
+            old.error,
+            "the agent's last scrape of the gauge was 12 s ago"
+        );
+        // A clock that went back is no age.
+        assert_eq!(gauge_as_sent(&m, 0), m);
     }
 
     #[test]

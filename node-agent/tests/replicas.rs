@@ -430,7 +430,20 @@ async fn a_replica_is_probed_scraped_restarted_on_liveness_and_started_on_time()
         assert!(env.lines().any(|l| l == want), "no {want} in\n{env}");
     }
 
-    // Its gauge rides the heartbeats: 2 + 3.5 over its two series.
+    // Not ready while /ready answers 503 (its failures change nothing: it starts unready);
+    // ready once it answers 200, after its start.
+    assert!(
+        !cp.events(1).iter().any(|(e, _)| *e == Event::Ready),
+        "{:?}",
+        cp.events(1)
+    );
+    assert!(
+        cp.metrics.lock().unwrap().is_empty(),
+        "an unready replica's gauge is not scraped (the autoscaler reads ready ones)"
+    );
+    server.ready.store(200, Ordering::SeqCst);
+    cp.wait_for_event(1, Event::Ready).await;
+    // Ready, its gauge is scraped and rides the heartbeats: 2 + 3.5 over its two series.
     wait_until("the replica's gauge in a heartbeat", || {
         cp.metrics
             .lock()
@@ -441,15 +454,6 @@ async fn a_replica_is_probed_scraped_restarted_on_liveness_and_started_on_time()
     })
     .await;
 
-    // Not ready while /ready answers 503 (its failures change nothing: it starts unready);
-    // ready once it answers 200, after its start.
-    assert!(
-        !cp.events(1).iter().any(|(e, _)| *e == Event::Ready),
-        "{:?}",
-        cp.events(1)
-    );
-    server.ready.store(200, Ordering::SeqCst);
-    cp.wait_for_event(1, Event::Ready).await;
     server.ready.store(503, Ordering::SeqCst);
     let unready = cp.wait_for_event(1, Event::NotReady).await;
     assert!(

@@ -86,6 +86,11 @@ impl ProbeState {
         self.timing
     }
 
+    /// Whether the probe passes now (an unknown status does not).
+    pub fn passing(&self) -> bool {
+        self.status == Status::Passing
+    }
+
     #[cfg(test)]
     pub fn status(&self) -> Status {
         self.status

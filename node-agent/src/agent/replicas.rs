@@ -1,6 +1,7 @@
 //! The agent's watch over its service replicas: for each running replica whose assignment
 //! carries probes or an autoscaling gauge, one task that runs its readiness and liveness
-//! probes (`probes` decides, `checks` checks) and scrapes its gauge about once a second, and
+//! probes (`probes` decides, `checks` checks) and, while it is ready (the leader's autoscaler
+//! reads ready replicas only), scrapes its gauge about once a second, and
 //! tells a [`ReplicaSink`] (the agent) what it found: readiness changes, a failed liveness
 //! probe, each failed check (for the metrics), the gauge's latest value.
 //!
@@ -10,6 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use proto::agent as pa;
@@ -161,6 +163,8 @@ impl Drop for Watches {
 pub async fn watch(spec: WatchSpec, sink: Arc<dyn ReplicaSink>) {
     let exec = checks::Exec::new(spec.exec);
     let id = spec.allocation_id;
+    // Without a readiness probe a running replica is ready.
+    let ready = AtomicBool::new(spec.replica.readiness.is_none());
     let readiness = async {
         if let Some(p) = &spec.replica.readiness {
             probe_loop(
@@ -171,6 +175,7 @@ pub async fn watch(spec: WatchSpec, sink: Arc<dyn ReplicaSink>) {
                 spec.started_at_ms,
                 &exec,
                 &*sink,
+                Some(&ready),
             )
             .await;
         }
@@ -185,18 +190,22 @@ pub async fn watch(spec: WatchSpec, sink: Arc<dyn ReplicaSink>) {
                 spec.started_at_ms,
                 &exec,
                 &*sink,
+                None,
             )
             .await;
         }
     };
     let gauge = async {
         if let Some(m) = &spec.replica.metric {
-            scrape_loop(id, m, &*sink).await;
+            scrape_loop(id, m, &ready, &*sink).await;
         }
     };
     tokio::join!(readiness, liveness, gauge);
 }
 
+/// Runs one probe until aborted (a liveness probe: until it fails). `passing`, if given,
+/// follows the probe's status.
+#[allow(clippy::too_many_arguments)]
 async fn probe_loop(
     id: u64,
     kind: ProbeKind,
@@ -205,6 +214,7 @@ async fn probe_loop(
     started_at_ms: u64,
     exec: &checks::Exec,
     sink: &dyn ReplicaSink,
+    passing: Option<&AtomicBool>,
 ) {
     let Some(check) = &probe.check else {
         tracing::warn!(
@@ -223,7 +233,11 @@ async fn probe_loop(
         if let Err(why) = &outcome {
             sink.check_failed(id, kind, why);
         }
-        match (kind, state.observe(at, &outcome)) {
+        let change = state.observe(at, &outcome);
+        if let Some(passing) = passing {
+            passing.store(state.passing(), Ordering::SeqCst);
+        }
+        match (kind, change) {
             (ProbeKind::Readiness, Some(change)) => sink.readiness(id, change),
             (ProbeKind::Liveness, Some(Change::Failing { reason })) => {
                 sink.liveness_failed(id, reason);
@@ -234,11 +248,20 @@ async fn probe_loop(
     }
 }
 
-async fn scrape_loop(id: u64, metric: &pa::MetricScrape, sink: &dyn ReplicaSink) {
+/// Scrapes the gauge every [`SCRAPE_EVERY`] while the replica is `ready`.
+async fn scrape_loop(
+    id: u64,
+    metric: &pa::MetricScrape,
+    ready: &AtomicBool,
+    sink: &dyn ReplicaSink,
+) {
     let mut every = tokio::time::interval(SCRAPE_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
+        if !ready.load(Ordering::SeqCst) {
+            continue;
+        }
         let at = now_ms();
         let value = checks::scrape(metric.port, &metric.path, &metric.metric, SCRAPE_TIMEOUT).await;
         sink.gauge(id, value, at);
@@ -364,6 +387,59 @@ mod tests {
             .filter(|e| e.ends_with("liveness check failed"))
             .count();
         assert!(liveness_failures >= 2, "two failures in a row: {events:?}");
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn the_gauge_is_scraped_only_while_the_replica_is_ready() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\nconnection: close\r\n\r\nq 3\n",
+                    )
+                    .await;
+            }
+        });
+        let dir = tempfile::tempdir().expect("tempdir");
+        let seen = Arc::new(Seen::default());
+        let sink: Arc<dyn ReplicaSink> = seen.clone();
+        let replica = pa::ReplicaInfo {
+            readiness: Some(exec_probe("test -e ready", 1)),
+            metric: Some(pa::MetricScrape {
+                port: u32::from(port),
+                path: "/metrics".into(),
+                metric: "q".into(),
+            }),
+            ..Default::default()
+        };
+        let task = tokio::spawn(watch(spec(dir.path(), replica), sink));
+        // Three failed checks: 200 ms and more after the first scrape would have been made.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while seen
+            .all()
+            .iter()
+            .filter(|e| e.ends_with("readiness check failed"))
+            .count()
+            < 3
+        {
+            assert!(std::time::Instant::now() < deadline, "{:?}", seen.all());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            !seen.all().iter().any(|e| e.contains("gauge")),
+            "scraped while unready: {:?}",
+            seen.all()
+        );
+        std::fs::write(dir.path().join("ready"), "").expect("write");
+        wait_for(&seen, "7 gauge Ok(3.0)").await;
         task.abort();
     }
 

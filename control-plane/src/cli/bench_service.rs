@@ -69,7 +69,14 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
     cluster.agent_program = Some((exe.clone(), vec!["agent".into()]));
     let hosts: Vec<String> = (1..=args.hosts).map(|i| format!("host-{i}")).collect();
     for (name, port) in hosts.iter().zip(&ports[3..]) {
-        cluster.add_agent(name, "dgx-h100", *port, &["--stop-grace-secs", "2"]);
+        // The fence grace must stay well under the control plane's node grace, which
+        // --replica-args may shorten.
+        cluster.add_agent(
+            name,
+            "dgx-h100",
+            *port,
+            &["--stop-grace-secs", "1", "--fence-grace-ms", "500"],
+        );
     }
     cluster.start_all()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -101,7 +108,21 @@ async fn measure(
         cluster.start_agent(h)?;
     }
     let mut client = cluster.client()?;
-    wait_hosts(&mut client, hosts).await?;
+    if let Err(e) = wait_hosts(&mut client, hosts).await {
+        // Say why, from the agent itself (a refused registration names its reason).
+        let why: Vec<String> = hosts
+            .iter()
+            .filter_map(|h| {
+                let log = cluster.agent_log(h);
+                let last = log
+                    .lines()
+                    .rev()
+                    .find(|l| l.contains("WARN") || l.contains("ERROR"))?;
+                Some(format!("{h}: {}", last.trim()))
+            })
+            .collect();
+        return Err(e.context(why.join("\n")));
+    }
     let demo = |name: &str, replicas: u32, extra: &[&str]| demo_spec(exe, name, replicas, extra);
 
     eprintln!("1/4: kill -9 of a replica's process, {} tries", args.tries);

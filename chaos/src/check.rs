@@ -45,6 +45,13 @@ pub const PROGRESS: &str = "runnable_jobs_placed_after_faults";
 pub const NO_STALE_LEADER: &str = "no_decision_from_a_stale_leader";
 pub const NO_CRASH: &str = "no_process_crashed";
 pub const REMOVED_STAYS_OUT: &str = "removed_replica_stays_out";
+pub const SERVICE_ORDINAL_ONCE: &str = "no_service_ordinal_running_twice";
+pub const SERVICE_COPIES: &str = "service_copies_within_replicas_plus_surge";
+pub const SERVICE_RESTORED: &str = "services_restored_after_faults";
+
+/// How long after a service's copy limit was replaced a copy placed under it may still run on
+/// a host: the agents' lease plus grace in a chaos run (3 s), and margin.
+const SERVICE_BOUND_SLACK_MS: u64 = 5_000;
 
 struct Collector {
     result: InvariantResult,
@@ -82,6 +89,9 @@ pub fn check(events: &[Event]) -> Report {
             no_stale_leader(events),
             no_crash(events),
             removed_stays_out(events),
+            service_ordinal_once(events),
+            service_copies(events),
+            services_restored(events),
         ],
     }
 }
@@ -238,33 +248,9 @@ struct Run<'a> {
     end: Option<u64>,
 }
 
-/// Invariant 3: at no instant does a job run more copies than it has tasks, neither in the
-/// replicated state nor in the processes the agents ran.
-fn one_copy(events: &[Event]) -> InvariantResult {
-    let mut c = Collector::new(
-        ONE_COPY,
-        "no job runs in two places at once (more processes or allocations than tasks)",
-    );
-    let tasks: BTreeMap<u64, i64> = final_jobs(events)
-        .map(|(_, jobs)| jobs.iter().map(|j| (j.id, j.tasks.max(1))).collect())
-        .unwrap_or_default();
-    for (at, jobs) in state_views(events) {
-        for j in jobs {
-            if j.allocs.len() as i64 > j.tasks.max(1) {
-                c.violation(format!(
-                    "at {at} ms job {} ({} task(s)) has {} live allocations: {:?}",
-                    j.id,
-                    j.tasks,
-                    j.allocs.len(),
-                    j.allocs
-                        .iter()
-                        .map(|a| format!("{} on {}", a.id, a.node))
-                        .collect::<Vec<_>>()
-                ));
-            }
-        }
-    }
-    // Process runs per job; the end is the earlier of the journal's stop and the exit file.
+/// The processes the agents ran, by job: where, and from when to when (the end is the
+/// earlier of the journal's stop line and the shim's exit file; None: never stopped).
+fn process_runs(events: &[Event]) -> BTreeMap<u64, Vec<Run<'_>>> {
     let mut exits: BTreeMap<(&str, u64), u64> = BTreeMap::new();
     for e in events {
         if let Event::ProcessExit {
@@ -313,51 +299,225 @@ fn one_copy(events: &[Event]) -> InvariantResult {
             }
         }
     }
-    for (job, list) in &mut runs {
+    for list in runs.values_mut() {
         for r in list.iter_mut() {
             if let Some(exit) = exits.get(&(r.node, r.allocation)) {
                 r.end = Some(r.end.map_or(*exit, |e| e.min(*exit)));
             }
         }
-        let limit = tasks.get(job).copied().unwrap_or(1);
-        // Sweep: +1 at each start, -1 at each end; ends sort before starts at the same ms.
-        let mut points: Vec<(u64, i64, usize)> = Vec::new();
-        for (i, r) in list.iter().enumerate() {
-            points.push((r.start, 1, i));
-            if let Some(end) = r.end {
-                points.push((end, -1, i));
+    }
+    runs
+}
+
+/// The first instant at which more than `limit` of `runs` overlap, with those runs described.
+/// Ends sort before starts at the same millisecond.
+fn first_overlap(runs: &[&Run], limit: usize) -> Option<(u64, String)> {
+    let mut points: Vec<(u64, i64, usize)> = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        points.push((r.start, 1, i));
+        if let Some(end) = r.end {
+            points.push((end, -1, i));
+        }
+    }
+    points.sort();
+    let mut live: BTreeSet<usize> = BTreeSet::new();
+    for (at, delta, i) in points {
+        if delta < 0 {
+            live.remove(&i);
+            continue;
+        }
+        live.insert(i);
+        if live.len() > limit {
+            let desc: Vec<String> = live
+                .iter()
+                .map(|k| {
+                    let r = runs[*k];
+                    format!(
+                        "allocation {} on {} from {} to {}",
+                        r.allocation,
+                        r.node,
+                        r.start,
+                        r.end.map_or("(never stopped)".into(), |e| e.to_string())
+                    )
+                })
+                .collect();
+            return Some((at, format!("{} processes: {}", live.len(), desc.join("; "))));
+        }
+    }
+    None
+}
+
+/// Invariant 3: at no instant does a job run more copies than it has tasks, neither in the
+/// replicated state nor in the processes the agents ran.
+fn one_copy(events: &[Event]) -> InvariantResult {
+    let mut c = Collector::new(
+        ONE_COPY,
+        "no job runs in two places at once (more processes or allocations than tasks)",
+    );
+    let tasks: BTreeMap<u64, i64> = final_jobs(events)
+        .map(|(_, jobs)| jobs.iter().map(|j| (j.id, j.tasks.max(1))).collect())
+        .unwrap_or_default();
+    for (at, jobs) in state_views(events) {
+        for j in jobs {
+            if j.allocs.len() as i64 > j.tasks.max(1) {
+                c.violation(format!(
+                    "at {at} ms job {} ({} task(s)) has {} live allocations: {:?}",
+                    j.id,
+                    j.tasks,
+                    j.allocs.len(),
+                    j.allocs
+                        .iter()
+                        .map(|a| format!("{} on {}", a.id, a.node))
+                        .collect::<Vec<_>>()
+                ));
             }
         }
-        points.sort();
-        let mut live: BTreeSet<usize> = BTreeSet::new();
-        for (at, delta, i) in points {
-            if delta < 0 {
-                live.remove(&i);
-                continue;
+    }
+    let runs = process_runs(events);
+    for (job, list) in &runs {
+        let limit = tasks.get(job).copied().unwrap_or(1);
+        let list: Vec<&Run> = list.iter().collect();
+        if let Some((at, desc)) = first_overlap(&list, limit.max(1) as usize) {
+            c.violation(format!("at {at} ms job {job} ({limit} task(s)) ran {desc}"));
+        }
+    }
+    c.result
+}
+
+/// Each job that is a service's replica, in any view of the state: its (service, ordinal).
+fn replica_of_jobs(events: &[Event]) -> BTreeMap<u64, (&str, u32)> {
+    let mut out = BTreeMap::new();
+    for (_, jobs) in state_views(events) {
+        for j in jobs {
+            if let Some(r) = &j.replica {
+                out.insert(j.id, (r.service.as_str(), r.ordinal));
             }
-            live.insert(i);
-            if live.len() as i64 > limit {
-                let desc: Vec<String> = live
-                    .iter()
-                    .map(|k| {
-                        let r = &list[*k];
-                        format!(
-                            "allocation {} on {} from {} to {}",
-                            r.allocation,
-                            r.node,
-                            r.start,
-                            r.end.map_or("(never stopped)".into(), |e| e.to_string())
-                        )
-                    })
-                    .collect();
+        }
+    }
+    out
+}
+
+/// A service never runs two copies of one ordinal at once (fencing, as for a job's tasks).
+fn service_ordinal_once(events: &[Event]) -> InvariantResult {
+    let mut c = Collector::new(
+        SERVICE_ORDINAL_ONCE,
+        "no service runs two copies of one ordinal at once on the hosts",
+    );
+    let replica_of = replica_of_jobs(events);
+    let runs = process_runs(events);
+    let mut by_ordinal: BTreeMap<(&str, u32), Vec<&Run>> = BTreeMap::new();
+    for (job, list) in &runs {
+        if let Some(key) = replica_of.get(job) {
+            by_ordinal.entry(*key).or_default().extend(list.iter());
+        }
+    }
+    for ((service, ordinal), list) in by_ordinal {
+        if let Some((at, desc)) = first_overlap(&list, 1) {
+            c.violation(format!(
+                "at {at} ms replica {ordinal} of {service} ran {desc}"
+            ));
+        }
+    }
+    c.result
+}
+
+/// A service never runs more copies than `replicas + max_surge`, taking for each moment the
+/// largest value that was in effect shortly before (a change applies somewhere between its
+/// sending and its answer, and a host may run a copy it was told to stop until its lease ends).
+fn service_copies(events: &[Event]) -> InvariantResult {
+    let mut c = Collector::new(
+        SERVICE_COPIES,
+        "no service runs more copies than replicas + max_surge on the hosts",
+    );
+    // Per service: (sent, answered, bound) of every change, in order.
+    let mut changes: BTreeMap<&str, Vec<(u64, Option<u64>, u32)>> = BTreeMap::new();
+    for e in events {
+        if let Event::ServiceChange {
+            at_ms,
+            service,
+            replicas,
+            max_surge,
+            answered_ms,
+            ..
+        } = e
+        {
+            changes.entry(service.as_str()).or_default().push((
+                *at_ms,
+                *answered_ms,
+                replicas + max_surge,
+            ));
+        }
+    }
+    let replica_of = replica_of_jobs(events);
+    let runs = process_runs(events);
+    let mut by_service: BTreeMap<&str, Vec<&Run>> = BTreeMap::new();
+    for (job, list) in &runs {
+        if let Some((service, _)) = replica_of.get(job) {
+            by_service.entry(service).or_default().extend(list.iter());
+        }
+    }
+    for (service, list) in by_service {
+        let Some(changes) = changes.get(service) else {
+            continue;
+        };
+        // The bound at `t`: every change sent by then whose successor was not yet answered
+        // `SERVICE_BOUND_SLACK_MS` before `t`.
+        let bound_at = |t: u64| -> u32 {
+            changes
+                .iter()
+                .enumerate()
+                .filter(|(i, (sent, _, _))| {
+                    *sent <= t
+                        && changes[i + 1..]
+                            .iter()
+                            .find_map(|(_, answered, _)| *answered)
+                            .is_none_or(|a| a + SERVICE_BOUND_SLACK_MS >= t)
+                })
+                .map(|(_, (_, _, b))| *b)
+                .max()
+                .unwrap_or(u32::MAX)
+        };
+        for r in &list {
+            let live = list
+                .iter()
+                .filter(|o| o.start <= r.start && o.end.is_none_or(|e| e > r.start))
+                .count();
+            let bound = bound_at(r.start);
+            if live > bound as usize {
                 c.violation(format!(
-                    "at {at} ms job {job} ({limit} task(s)) ran {} processes: {}",
-                    live.len(),
-                    desc.join("; ")
+                    "at {} ms {service} ran {live} copies once allocation {} started on {}, its limit then was {bound}",
+                    r.start, r.allocation, r.node
                 ));
                 break;
             }
         }
+    }
+    c.result
+}
+
+/// Once faults stop, every service is back at its replicas: all ready, at the current revision.
+fn services_restored(events: &[Event]) -> InvariantResult {
+    let mut c = Collector::new(
+        SERVICE_RESTORED,
+        "once faults stop, every service has its replicas ready at its current revision",
+    );
+    let Some(services) = events.iter().rev().find_map(|e| match e {
+        Event::Final { services, .. } => Some(services),
+        _ => None,
+    }) else {
+        return c.result;
+    };
+    for s in services.iter().filter(|s| !s.restored()) {
+        c.violation(format!(
+            "service {} at the end: {} of {} replicas ready, {} at revision {}, rollout {}{}",
+            s.key,
+            s.ready,
+            s.replicas,
+            s.updated,
+            s.revision,
+            s.rollout,
+            if s.deleting { ", being deleted" } else { "" }
+        ));
     }
     c.result
 }
@@ -603,6 +763,7 @@ mod tests {
             has_dependencies: false,
             scheduling_rules: false,
             allocs: vec![],
+            replica: None,
         }
     }
 
@@ -640,6 +801,7 @@ mod tests {
             at_ms: 1000,
             settled: true,
             jobs,
+            services: vec![],
         }
     }
 
@@ -949,5 +1111,135 @@ mod tests {
         let evidence = &r.get(REMOVED_STAYS_OUT).unwrap().evidence;
         assert!(evidence[0].contains("term 7 to 9"), "{evidence:?}");
         assert!(evidence[1].contains("neither"), "{evidence:?}");
+    }
+
+    /// A running replica job of `svc` at `ordinal`.
+    fn replica_job(id: u64, ordinal: u32) -> JobView {
+        JobView {
+            state: "running".into(),
+            scheduling_rules: true,
+            replica: Some(crate::history::ReplicaView {
+                service: "team-c/svc".into(),
+                ordinal,
+                revision: 1,
+                ready: true,
+            }),
+            ..job(id, "")
+        }
+    }
+
+    fn service_change(at: u64, answered: Option<u64>, replicas: u32) -> Event {
+        Event::ServiceChange {
+            at_ms: at,
+            service: "team-c/svc".into(),
+            change: format!("Scale({replicas})"),
+            replicas,
+            max_surge: 1,
+            answered_ms: answered,
+        }
+    }
+
+    fn service_view(replicas: u32, ready: u32, rollout: &str) -> crate::history::ServiceView {
+        crate::history::ServiceView {
+            key: "team-c/svc".into(),
+            replicas,
+            max_surge: 1,
+            revision: 2,
+            rollout: rollout.into(),
+            ready,
+            updated: ready,
+            deleting: false,
+        }
+    }
+
+    #[test]
+    fn a_service_restored_within_its_limits_passes() {
+        let events = vec![
+            service_change(0, Some(5), 2),
+            start("n1", 1, 1, &["g0"], 10),
+            start("n2", 2, 2, &["g1"], 12),
+            // Ordinal 0 crashed and restarted in place (a new allocation of the same job)
+            // only after its first process ended.
+            stop("n1", 1, &["g0"], 20),
+            start("n1", 3, 1, &["g0"], 21),
+            Event::Final {
+                at_ms: 1000,
+                settled: true,
+                jobs: vec![replica_job(1, 0), replica_job(2, 1)],
+                services: vec![service_view(2, 2, "complete")],
+            },
+        ];
+        let r = check(&events);
+        assert_eq!(r.violations(), 0, "{:?}", r.invariants);
+    }
+
+    #[test]
+    fn two_copies_of_one_ordinal_are_reported() {
+        // Job 2 replaced ordinal 0 on another node while the first copy still ran there.
+        let mut second = replica_job(2, 0);
+        second.id = 2;
+        let events = vec![
+            service_change(0, Some(5), 2),
+            start("n1", 1, 1, &["g0"], 10),
+            start("n2", 2, 2, &["g1"], 15),
+            stop("n1", 1, &["g0"], 30),
+            Event::Final {
+                at_ms: 1000,
+                settled: true,
+                jobs: vec![replica_job(1, 0), second],
+                services: vec![service_view(2, 2, "complete")],
+            },
+        ];
+        let r = check(&events);
+        assert_eq!(only(&r, SERVICE_ORDINAL_ONCE), 1);
+    }
+
+    #[test]
+    fn copies_over_replicas_plus_surge_are_reported_after_the_slack() {
+        // Scaled from 3 to 1 (answered at 100): a fourth copy at 50 is within 3 + 1; once the
+        // slack has passed the limit is 1 + 1, and a third copy then is one too many.
+        let mut events = vec![
+            service_change(0, Some(5), 3),
+            service_change(90, Some(100), 1),
+        ];
+        for (alloc, at) in [(1, 10), (2, 11), (3, 12), (4, 50)] {
+            events.push(start(&format!("n{alloc}"), alloc, alloc, &["g0"], at));
+        }
+        for alloc in 1..=4 {
+            events.push(stop(&format!("n{alloc}"), alloc, &["g0"], 60));
+        }
+        let late = 100 + SERVICE_BOUND_SLACK_MS + 1;
+        for (alloc, at) in [(5, late), (6, late + 1), (7, late + 2)] {
+            events.push(start(&format!("n{alloc}"), alloc, alloc, &["g0"], at));
+        }
+        let jobs = (1..=7).map(|i| replica_job(i, i as u32)).collect();
+        events.push(Event::Final {
+            at_ms: late + 10,
+            settled: true,
+            jobs,
+            services: vec![service_view(1, 1, "complete")],
+        });
+        let r = check(&events);
+        assert_eq!(only(&r, SERVICE_COPIES), 1, "{:?}", r.get(SERVICE_COPIES));
+        assert!(
+            r.get(SERVICE_COPIES).unwrap().evidence[0].contains("ran 3 copies"),
+            "{:?}",
+            r.get(SERVICE_COPIES)
+        );
+    }
+
+    #[test]
+    fn a_service_not_back_at_its_replicas_is_reported() {
+        let events = vec![
+            service_change(0, Some(5), 3),
+            Event::Final {
+                at_ms: 1000,
+                settled: false,
+                jobs: vec![],
+                services: vec![service_view(3, 2, "progressing")],
+            },
+        ];
+        let r = check(&events);
+        assert_eq!(r.get(SERVICE_RESTORED).unwrap().violations, 1);
     }
 }

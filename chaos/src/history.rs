@@ -104,13 +104,79 @@ pub enum Event {
     },
     /// A replica or agent process panicked or stopped on a fatal error (the line of its log).
     Crash { process: String, line: String },
+    /// The workload's service was sent a change at `at_ms`: from then on it may run up to
+    /// `replicas + max_surge` copies (until the change after it is answered).
+    ServiceChange {
+        at_ms: u64,
+        service: String,
+        change: String,
+        replicas: u32,
+        max_surge: u32,
+        /// When the change was answered (None: never).
+        answered_ms: Option<u64>,
+    },
     /// Every job at the end of the run, after the faults stopped and the cluster settled.
     Final {
         at_ms: u64,
-        /// Whether every job left the queue before the settle deadline.
+        /// Whether every batch job left the queue, and every service was back at its replicas,
+        /// before the settle deadline.
         settled: bool,
         jobs: Vec<JobView>,
+        /// Every service at that moment.
+        #[serde(default)]
+        services: Vec<ServiceView>,
     },
+}
+
+/// What the checker needs of a service (a projection of the API's `Service`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceView {
+    pub key: String,
+    pub replicas: u32,
+    pub max_surge: u32,
+    pub revision: u64,
+    pub rollout: String,
+    pub ready: u32,
+    /// Ready replicas of the current revision.
+    pub updated: u32,
+    pub deleting: bool,
+}
+
+impl ServiceView {
+    pub fn from_proto(s: &proto::v1::Service) -> ServiceView {
+        let spec = s.spec.clone().unwrap_or_default();
+        ServiceView {
+            key: format!("{}/{}", spec.tenant, spec.name),
+            replicas: spec.replicas,
+            max_surge: spec
+                .strategy
+                .as_ref()
+                .and_then(|st| st.max_surge)
+                .unwrap_or(1),
+            revision: s.revision,
+            rollout: s.rollout.clone(),
+            ready: s.ready,
+            updated: s.updated,
+            deleting: s.deleting,
+        }
+    }
+
+    /// Back at what was asked: every replica ready at the current revision, nothing left over.
+    pub fn restored(&self) -> bool {
+        !self.deleting
+            && self.rollout == "complete"
+            && self.ready == self.replicas
+            && self.updated == self.replicas
+    }
+}
+
+/// A job that is a service's replica: which one.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ReplicaView {
+    pub service: String,
+    pub ordinal: u32,
+    pub revision: u64,
+    pub ready: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -221,6 +287,9 @@ pub struct JobView {
     #[serde(default)]
     pub scheduling_rules: bool,
     pub allocs: Vec<AllocView>,
+    /// Set for a service's replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<ReplicaView>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -265,7 +334,9 @@ impl JobView {
             placed_ms,
             requeued,
             has_dependencies: !spec.dependencies.is_empty(),
-            scheduling_rules: spec.hold
+            // A replica is placed ahead of its class when its service is below its minimum.
+            scheduling_rules: j.replica.is_some()
+                || spec.hold
                 || spec.array.as_ref().is_some_and(|a| a.max_running > 0)
                 || spec.begin_at_ms > 0
                 || !spec.nodelist.is_empty()
@@ -283,6 +354,12 @@ impl JobView {
                     created_ms: a.created_at_ms,
                 })
                 .collect(),
+            replica: j.replica.as_ref().map(|r| ReplicaView {
+                service: r.service.clone(),
+                ordinal: r.ordinal,
+                revision: r.revision,
+                ready: r.ready,
+            }),
         }
     }
 }

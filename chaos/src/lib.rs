@@ -9,5 +9,6 @@ pub mod history;
 pub mod members;
 pub mod partition;
 pub mod scenario;
+pub mod services;
 pub mod summary;
 pub mod workload;

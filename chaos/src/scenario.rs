@@ -370,6 +370,17 @@ async fn drive(
         opts.faults.total()
     );
     let workload_task = tokio::spawn(async move { workload.run(wcfg).await });
+    // The long-running service beside the batch work: a change every few seconds until the
+    // batch workload is done.
+    let service_stop = Arc::new(AtomicBool::new(false));
+    let service_task = tokio::spawn(crate::services::run(
+        endpoints.clone(),
+        credentials.clone(),
+        recorder.clone(),
+        (opts.duration / 8).clamp(Duration::from_secs(3), Duration::from_secs(20)),
+        opts.seed,
+        service_stop.clone(),
+    ));
     let observing = Arc::new(AtomicBool::new(true));
     let observer = tokio::spawn(observe(
         members.clone(),
@@ -453,6 +464,8 @@ async fn drive(
         }
     }
     let stats = workload_task.await??;
+    service_stop.store(true, Ordering::Relaxed);
+    let _ = service_task.await;
     progress!(
         opts,
         "workload done: {} submitted, {} acknowledged, {} cancels",
@@ -472,6 +485,10 @@ async fn drive(
     let mut client = Client::new(&injector.cluster.endpoints(), &credentials)?;
     // The observer keeps recording while the cluster settles.
     settle_and_record_final(opts, &mut client, &recorder).await;
+    // The service's replicas run until stopped: stop them before the processes are.
+    if !crate::services::delete_and_wait(&mut client, Duration::from_secs(30)).await {
+        progress!(opts, "the service was not deleted within 30 s");
+    }
     observing.store(false, Ordering::Relaxed);
     let _ = observer.await;
     // What the agents actually ran.
@@ -555,26 +572,33 @@ fn find_panics(cluster: &LocalCluster, retired: &[(String, PathBuf)]) -> Vec<(St
     found
 }
 
-/// Progress: waits until every job has left the queue (and, the jobs being short, finished),
-/// then records the final state.
+/// Progress: waits until every batch job has left the queue (and, the jobs being short,
+/// finished) and every service is back at its replicas, then records the final state.
 async fn settle_and_record_final(opts: &RunOptions, client: &mut Client, recorder: &Recorder) {
     progress!(
         opts,
-        "faults stopped; waiting up to {:?} for every job to finish",
+        "faults stopped; waiting up to {:?} for every job to finish and every service to be restored",
         opts.settle
     );
     let deadline = tokio::time::Instant::now() + opts.settle;
-    let (settled, jobs) = loop {
+    let (settled, jobs, services) = loop {
         let jobs = list_jobs(client, true).await;
-        if let Ok(jobs) = &jobs
-            && jobs
-                .iter()
-                .all(|j| !matches!(j.state.as_str(), "pending" | "scheduled" | "running"))
+        let services = crate::services::list(client).await;
+        if let (Ok(jobs), Ok(services)) = (&jobs, &services)
+            && jobs.iter().all(|j| {
+                j.replica.is_some()
+                    || !matches!(j.state.as_str(), "pending" | "scheduled" | "running")
+            })
+            && services.iter().all(|s| s.restored())
         {
-            break (true, jobs.clone());
+            break (true, jobs.clone(), services.clone());
         }
         if tokio::time::Instant::now() >= deadline {
-            break (false, jobs.unwrap_or_default());
+            break (
+                false,
+                jobs.unwrap_or_default(),
+                services.unwrap_or_default(),
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
@@ -582,6 +606,7 @@ async fn settle_and_record_final(opts: &RunOptions, client: &mut Client, recorde
         at_ms: now_ms(),
         settled,
         jobs: jobs.iter().map(JobView::from_proto).collect(),
+        services,
     });
 }
 

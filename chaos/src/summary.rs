@@ -31,6 +31,12 @@ pub struct Summary {
     /// Jobs whose processes started more often than they have tasks (requeued after a node
     /// was declared lost, or preempted): allowed, but worth seeing.
     pub jobs_rerun: usize,
+    /// The service beside the batch work: changes answered (and sent), replica jobs, and
+    /// replica processes started (restarts in place included).
+    pub service_changes: usize,
+    pub service_changes_answered: usize,
+    pub service_replica_jobs: usize,
+    pub service_replica_starts: usize,
     pub failover_ms: Vec<f64>,
     /// `replica_add_remove`: AddReplica call to voter, and removal's answer to the removed
     /// replica saying so (or exiting); the removals that took the leader out.
@@ -124,6 +130,10 @@ pub fn summarize(events: &[Event], report: &Report) -> Summary {
                     *s.jobs_by_state.entry(j.state.clone()).or_default() += 1;
                 }
             }
+            Event::ServiceChange { answered_ms, .. } => {
+                s.service_changes += 1;
+                s.service_changes_answered += usize::from(answered_ms.is_some());
+            }
             _ => {}
         }
     }
@@ -142,10 +152,22 @@ pub fn summarize(events: &[Event], report: &Report) -> Summary {
         .rev()
         .find(|e| matches!(e, Event::Final { .. }))
     {
+        // A replica restarted in place starts again by design: counted on its own.
         s.jobs_rerun = jobs
             .iter()
+            .filter(|j| j.replica.is_none())
             .filter(|j| starts.get(&j.id).copied().unwrap_or(0) as i64 > j.tasks.max(1))
             .count();
+        let replicas: Vec<u64> = jobs
+            .iter()
+            .filter(|j| j.replica.is_some())
+            .map(|j| j.id)
+            .collect();
+        s.service_replica_jobs = replicas.len();
+        s.service_replica_starts = replicas
+            .iter()
+            .map(|id| starts.get(id).copied().unwrap_or(0))
+            .sum();
     }
     for v in [
         &mut s.failover_ms,
@@ -195,6 +217,12 @@ impl Summary {
             "jobs_by_state": self.jobs_by_state,
             "process_starts": self.process_starts,
             "jobs_rerun": self.jobs_rerun,
+            "service": {
+                "changes": self.service_changes,
+                "changes_answered": self.service_changes_answered,
+                "replica_jobs": self.service_replica_jobs,
+                "replica_process_starts": self.service_replica_starts,
+            },
             "failover_ms": {"n": self.failover_ms.len(), "p50": num(p50), "p99": num(p99), "max": num(max)},
             "replica_changes": {
                 "n": self.promotion_ms.len(),
@@ -236,6 +264,14 @@ impl Summary {
             self.jobs, self.jobs_by_state, self.process_starts, self.jobs_rerun
         ));
         out.push_str(&format!(
+            "service: {} changes sent ({} answered; scale and rollout), {} replica jobs, {} \
+             replica processes started (restarts in place included)\n",
+            self.service_changes,
+            self.service_changes_answered,
+            self.service_replica_jobs,
+            self.service_replica_starts
+        ));
+        out.push_str(&format!(
             "failover (leader fault -> first write committed via the new leader), {} \
              failovers: p50 {p50:.0} ms, p99 {p99:.0} ms, max {max:.0} ms\n",
             self.failover_ms.len()
@@ -266,7 +302,7 @@ impl Summary {
             } else {
                 format!("VIOLATED ({})", i.violations)
             };
-            out.push_str(&format!("  {:<36} {verdict}\n", i.name));
+            out.push_str(&format!("  {:<42} {verdict}\n", i.name));
             for e in &i.evidence {
                 out.push_str(&format!("      {e}\n"));
             }

@@ -310,12 +310,11 @@ mod tests {
     fn hello_says_who_answers_and_counts() {
         let d = Demo::new(identity(), Duration::ZERO, None, None);
         let text = d.hello();
-        assert!(
-            text.starts_with(
-                "service=ml/web replica=2 revision=3 hostname=h1 uptime=0s message=v2"
-            ),
-            "{text}"
+        let expected = format!(
+            "service=ml/web replica=2 revision=3 hostname=h1 pid={} uptime=0s message=v2",
+            std::process::id()
         );
+        assert!(text.starts_with(&expected), "{text}");
         d.hello();
         assert_eq!(d.requests.get(), 2);
     }

@@ -135,6 +135,7 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
                 "jobs_succeeded": summary.jobs_succeeded,
                 "client_retries": summary.client_retries,
                 "processes_started": summary.processes_started,
+                "service_replica_processes_started": summary.replica_processes_started,
                 "messages": summary.messages,
                 "messages_lost": summary.messages_lost,
                 "violations": summary.violations(),
@@ -157,12 +158,13 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
                 .collect();
             print!("{}", table(&["FAULT", "INJECTED"], &rows));
             println!(
-                "jobs: {} acknowledged, {} refused at submission, {} succeeded; {} client retries; {} processes started",
+                "jobs: {} acknowledged, {} refused at submission, {} succeeded; {} client retries; {} processes started ({} of them service replicas)",
                 summary.jobs_acked,
                 summary.jobs_refused,
                 summary.jobs_succeeded,
                 summary.client_retries,
-                summary.processes_started
+                summary.processes_started,
+                summary.replica_processes_started
             );
             println!(
                 "messages: {} sent, {} lost",

@@ -30,6 +30,9 @@ use proto::tls::{CertRole, PeerIdentity};
 
 type AssignmentStream = Pin<Box<dyn Stream<Item = Result<pa::Assignments, Status>> + Send>>;
 
+/// How long a replica that does not crash runs: longer than any seed.
+const RUNS_UNTIL_STOPPED_MS: u64 = 30 * 24 * 3600 * 1000;
+
 /// How often the agent loop wakes when nothing else happens.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -413,8 +416,24 @@ impl Agent {
                     },
                 ));
             let (lo, hi) = self.world.params.task_ms;
-            let run_ms = lo + self.rng.below(hi - lo + 1);
-            let fails = self.rng.below(100) < 5;
+            let (run_ms, fails) = match &a.replica {
+                // A service's replica runs until it is stopped; now and then one crashes
+                // (after a task's run time) and is restarted in place. A replica that failed
+                // twice in a row runs on, so no seed's service ends up crash-looping.
+                Some(_) => {
+                    let failures = details.as_ref().and_then(|r| {
+                        let data = r.replica.sm.read();
+                        let job = data.cluster.jobs.get(&a.job_id)?;
+                        Some(job.replica.as_ref()?.failures)
+                    });
+                    if failures.unwrap_or(0) < 2 && self.rng.below(100) < 15 {
+                        (lo + self.rng.below(hi - lo + 1), true)
+                    } else {
+                        (RUNS_UNTIL_STOPPED_MS, false)
+                    }
+                }
+                None => (lo + self.rng.below(hi - lo + 1), self.rng.below(100) < 5),
+            };
             self.world.observer().start(
                 at,
                 Process {
@@ -426,6 +445,7 @@ impl Agent {
                     gpu_milli: a.gpu_milli,
                     tenant_milli,
                     placement,
+                    replica: a.replica.as_ref().map(|r| (r.service.clone(), r.ordinal)),
                 },
             );
             self.procs.insert(

@@ -3,10 +3,13 @@
 //! - `Observer` sees the simulated hosts: every process start and stop, at the simulated
 //!   instant it happens. It checks on the spot that no GPU (or MIG slice) is used by two
 //!   processes, that shares of one GPU stay within 1000 milli, that no job runs from two
-//!   placements, and that no tenant's running processes exceed its limit.
+//!   placements, that no tenant's running processes exceed its limit, and a service's rules:
+//!   one copy per ordinal, at most `replicas + max_surge` copies (`dst::services`).
 //! - `check_replicas` looks at every live replica's applied state: its internal consistency
-//!   (`check_consistency`: no GPU held by two live allocations, shares within a GPU), quotas,
-//!   and that two replicas at the same applied index hold identical state.
+//!   (`check_consistency`: no GPU held by two live allocations, shares within a GPU, each
+//!   service's ordinals), quotas, a service's copies that are not stopping within
+//!   `replicas + max_surge`, and that two replicas at the same applied index hold identical
+//!   state.
 //! - `check_end` runs once faults have stopped: every acknowledged submission is present
 //!   exactly once, every job reached a final state within the budget, replicas converged.
 //!
@@ -50,6 +53,17 @@ pub struct Process {
     pub tenant_milli: u64,
     /// (term, created_at) of the allocation: equal for every task of one placement.
     pub placement: (u64, u64),
+    /// The service and ordinal, for a replica of a service.
+    pub replica: Option<(String, u32)>,
+}
+
+/// A value a service's `replicas + max_surge` had: from when the change was sent until every
+/// later change was acknowledged (`None`: still in effect, or never known to be replaced).
+#[derive(Debug, Clone)]
+struct BoundSpan {
+    from_ms: u64,
+    until_ms: Option<u64>,
+    bound: u32,
 }
 
 #[derive(Default)]
@@ -62,6 +76,8 @@ pub struct Observer {
     history: DefaultHasher,
     pub events: u64,
     pub processes_started: u64,
+    /// Processes that were a service's replicas (a start after a crash counts again).
+    pub replica_processes_started: u64,
     pub tasks_succeeded: u64,
     /// The events themselves, when `GPUCP_DST_TRACE` asks for them (to compare two runs).
     pub trace: Option<Vec<String>>,
@@ -70,6 +86,13 @@ pub struct Observer {
     exclusive: BTreeSet<JobId>,
     /// Acknowledged arrays with a limit: first id → (jobs, most running at once).
     arrays: BTreeMap<JobId, (u64, u32)>,
+    /// Services: every value their copy limit may have had (`dst::services`).
+    service_bounds: BTreeMap<String, Vec<BoundSpan>>,
+    /// How long after a limit was replaced a copy placed under it may still start on a host
+    /// (the lease and grace during which a host may act on an older assignment).
+    pub service_bound_slack_ms: u64,
+    /// The service's client made every change of its plan.
+    pub service_client_done: bool,
 }
 
 impl Observer {
@@ -114,6 +137,104 @@ impl Observer {
             && a.max_running > 0
         {
             self.arrays.insert(id, (jobs, a.max_running));
+        }
+    }
+
+    /// The service `key` may run `bound` copies from `at_ms` (when the change was sent).
+    pub fn service_bound_changed(&mut self, key: &str, at_ms: u64, bound: u32) {
+        self.service_bounds
+            .entry(key.to_owned())
+            .or_default()
+            .push(BoundSpan {
+                from_ms: at_ms,
+                until_ms: None,
+                bound,
+            });
+    }
+
+    /// A change of the service `key` was acknowledged at `at_ms`: every limit before the
+    /// newest one is replaced (changes are sent one after the other).
+    pub fn service_change_acked(&mut self, key: &str, at_ms: u64) {
+        if let Some(spans) = self.service_bounds.get_mut(key)
+            && let Some((_, earlier)) = spans.split_last_mut()
+        {
+            for span in earlier.iter_mut().filter(|s| s.until_ms.is_none()) {
+                span.until_ms = Some(at_ms);
+            }
+        }
+    }
+
+    /// The most copies of `key` that may run at `at_ms`: the greatest limit in effect within
+    /// the slack before it.
+    fn service_bound(&self, key: &str, at_ms: u64) -> Option<u32> {
+        self.service_bounds
+            .get(key)?
+            .iter()
+            .filter(|s| {
+                s.from_ms <= at_ms
+                    && s.until_ms
+                        .is_none_or(|u| u + self.service_bound_slack_ms >= at_ms)
+            })
+            .map(|s| s.bound)
+            .max()
+    }
+
+    /// The ordinals of `key` the hosts run now, sorted (one entry per running copy).
+    pub fn service_ordinals_running(&self, key: &str) -> Vec<u32> {
+        let mut out: Vec<u32> = self
+            .running
+            .values()
+            .filter_map(|p| p.replica.as_ref())
+            .filter(|(service, _)| service == key)
+            .map(|(_, ordinal)| *ordinal)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// A service's rules as `p` starts: never two copies of one ordinal, never more copies
+    /// than `replicas + max_surge`.
+    fn check_service(&mut self, at_ms: u64, p: &Process) {
+        let Some((key, ordinal)) = &p.replica else {
+            return;
+        };
+        let twins: Vec<String> = self
+            .running
+            .values()
+            .filter(|o| o.replica.as_ref() == Some(&(key.clone(), *ordinal)))
+            .map(|o| format!("allocation {} (job {}) on {}", o.allocation, o.job, o.node))
+            .collect();
+        if !twins.is_empty() {
+            self.violation(
+                "one copy per ordinal (hosts)",
+                at_ms,
+                format!(
+                    "replica {ordinal} of {key} started as allocation {} (job {}) on {} while {} still ran",
+                    p.allocation,
+                    p.job,
+                    p.node,
+                    twins.join(", ")
+                ),
+            );
+        }
+        let copies = self
+            .running
+            .values()
+            .filter(|o| o.replica.as_ref().is_some_and(|(s, _)| s == key))
+            .count()
+            + 1;
+        if let Some(bound) = self.service_bound(key, at_ms)
+            && copies > bound as usize
+        {
+            let ordinals = self.service_ordinals_running(key);
+            self.violation(
+                "at most replicas + max_surge copies (hosts)",
+                at_ms,
+                format!(
+                    "{key} runs {copies} copies once replica {ordinal} started on {} (running ordinals {ordinals:?}), its limit is {bound}",
+                    p.node
+                ),
+            );
         }
     }
 
@@ -169,6 +290,9 @@ impl Observer {
     pub fn start(&mut self, at_ms: u64, p: Process) {
         self.record(at_ms, ("start", &p.node, p.allocation, p.job, &p.gpus));
         self.processes_started += 1;
+        if p.replica.is_some() {
+            self.replica_processes_started += 1;
+        }
         for gpu in &p.gpus {
             let users: Vec<&Process> = self
                 .running
@@ -247,6 +371,7 @@ impl Observer {
             }
         }
         self.check_rules(at_ms, &p);
+        self.check_service(at_ms, &p);
         self.running.insert(p.allocation, p);
     }
 
@@ -290,6 +415,25 @@ pub fn check_state(replica: u64, state: &ClusterState) -> Vec<(&'static str, Str
             ));
         }
     }
+    for s in state.services.values() {
+        let live: Vec<(u32, JobId)> = s
+            .replicas
+            .iter()
+            .filter(|(_, id)| state.jobs.get(id).is_some_and(|j| !j.state.is_final()))
+            .map(|(o, id)| (*o, *id))
+            .collect();
+        let bound = s.spec.replicas + s.spec.strategy.max_surge;
+        if live.len() > bound as usize {
+            found.push((
+                "at most replicas + max_surge copies (replicated state)",
+                format!(
+                    "replica {replica}: service {} has {} copies that are not stopping {live:?}, its limit is {bound}",
+                    s.key(),
+                    live.len()
+                ),
+            ));
+        }
+    }
     found
 }
 
@@ -317,10 +461,12 @@ pub fn describe_difference(a: &ClusterState, b: &ClusterState) -> String {
 
 /// Jobs not yet in a final state, with their recent history, as liveness evidence.
 pub fn unfinished(state: &ClusterState, limit: usize) -> (usize, String) {
+    // A service's replicas run until it is scaled down or deleted: `services::settled`
+    // judges them.
     let open: Vec<_> = state
         .jobs
         .values()
-        .filter(|j| !j.state.is_final())
+        .filter(|j| !j.state.is_final() && j.replica.is_none())
         .collect();
     let shown: Vec<String> = open
         .iter()
@@ -371,4 +517,68 @@ pub fn completed(state: &ClusterState) -> u64 {
         .values()
         .filter(|j| j.state == JobState::Succeeded)
         .count() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica(allocation: u64, job: JobId, node: &str, ordinal: u32) -> Process {
+        Process {
+            node: node.into(),
+            allocation,
+            job,
+            tenant: "t1".into(),
+            gpus: vec![format!("GPU-{node}-{allocation}")],
+            gpu_milli: 0,
+            tenant_milli: 1000,
+            placement: (1, allocation),
+            replica: Some(("t1/svc".into(), ordinal)),
+        }
+    }
+
+    fn invariants(o: &Observer) -> Vec<&'static str> {
+        o.violations.iter().map(|v| v.invariant).collect()
+    }
+
+    #[test]
+    fn a_second_copy_of_an_ordinal_is_reported_and_a_restart_after_the_first_is_not() {
+        let mut o = Observer::default();
+        o.service_bound_changed("t1/svc", 0, 3);
+        o.start(10, replica(1, 100, "h1", 0));
+        o.stop(20, 1, "failed");
+        // Restarted in place: a new allocation of the same job, after the first ended.
+        o.start(21, replica(2, 100, "h1", 0));
+        assert!(o.violations.is_empty(), "{:?}", o.violations);
+        // Replaced elsewhere (another job) while the copy on h1 still runs.
+        o.start(30, replica(3, 101, "h2", 0));
+        assert_eq!(invariants(&o), vec!["one copy per ordinal (hosts)"]);
+    }
+
+    #[test]
+    fn copies_beyond_replicas_plus_surge_are_reported_once_the_old_limit_has_expired() {
+        let mut o = Observer::default();
+        o.service_bound_slack_ms = 100;
+        o.service_bound_changed("t1/svc", 0, 3);
+        o.service_change_acked("t1/svc", 5);
+        for (a, ordinal) in [(1, 0), (2, 1), (3, 2)] {
+            o.start(10, replica(a, 100 + a, "h1", ordinal));
+        }
+        // Scaled down to 1 + 1 surge at 50, answered at 60.
+        o.service_bound_changed("t1/svc", 50, 2);
+        o.service_change_acked("t1/svc", 60);
+        o.stop(70, 3, "stopped");
+        o.stop(70, 2, "stopped");
+        // Within the slack after the old limit was replaced: 3 copies are still allowed.
+        o.start(150, replica(4, 104, "h2", 1));
+        o.start(155, replica(5, 105, "h2", 2));
+        assert!(o.violations.is_empty(), "{:?}", o.violations);
+        o.stop(156, 5, "stopped");
+        // After it: 3 copies are one too many.
+        o.start(200, replica(6, 106, "h2", 3));
+        assert_eq!(
+            invariants(&o),
+            vec!["at most replicas + max_surge copies (hosts)"]
+        );
+    }
 }

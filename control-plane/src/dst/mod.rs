@@ -19,6 +19,8 @@
 //! - `cluster`: replicas (start, crash, restart) and calls into their services.
 //! - `agent`: simulated GPU hosts speaking the agent API, running processes.
 //! - `workload`: tenants, job mix, clients with idempotency keys and retries.
+//! - `services`: a long-running service beside the batch work (create, scale, roll out,
+//!   undo, delete) and what "restored" means for it.
 //! - `faults`: the fault schedule and the task that applies it.
 //! - `check`: the invariants.
 //! - `world`: what the tasks of one seed share.
@@ -38,6 +40,7 @@ pub mod faults;
 pub mod net;
 pub mod params;
 pub mod runner;
+pub mod services;
 #[cfg(test)]
 mod slow_follower;
 #[cfg(test)]
@@ -94,11 +97,12 @@ mod tests {
             }
         });
         eprintln!(
-            "dst: {} seeds in {:.1} s: {} jobs acknowledged, {} succeeded, faults {:?}, {} violations",
+            "dst: {} seeds in {:.1} s: {} jobs acknowledged, {} succeeded, {} service replica processes, faults {:?}, {} violations",
             summary.seeds,
             started.elapsed().as_secs_f64(),
             summary.jobs_acked,
             summary.jobs_succeeded,
+            summary.replica_processes_started,
             summary.faults,
             summary.violations()
         );
@@ -112,6 +116,10 @@ mod tests {
         assert!(
             summary.jobs_succeeded > 0,
             "no job completed in any seed: the simulation is not exercising the scheduler"
+        );
+        assert!(
+            summary.replica_processes_started > 0,
+            "no service replica ran in any seed: the simulation is not exercising services"
         );
     }
 

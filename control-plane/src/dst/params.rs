@@ -11,7 +11,8 @@ use crate::scheduler::Policy;
 #[derive(Debug, Clone)]
 pub struct Params {
     pub replicas: u64,
-    /// Host presets (`node_agent::gpu::simulated::PRESETS`), one host each.
+    /// Host presets (`node_agent::gpu::simulated::PRESETS`), one host each. The service's
+    /// replicas run on every A100 host but the first (`dst::services::service_hosts`).
     pub hosts: Vec<&'static str>,
     pub jobs: usize,
     pub clients: usize,
@@ -49,6 +50,8 @@ impl Default for Params {
                 "a100-pcie-4gpu-nvlink-pairs",
                 "dgx-h100",
                 "h100-pcie-1gpu-mig",
+                // With host 1, where the seed's service runs its replicas (`dst::services`).
+                "a100-pcie-4gpu-nvlink-pairs",
             ],
             jobs: 30,
             clients: 2,

@@ -15,6 +15,7 @@ use super::cluster::SimCluster;
 use super::faults;
 use super::net::{NetStats, SimNet};
 use super::params::Params;
+use super::services;
 use super::workload::{self, Ledger};
 use super::world::World;
 use crate::raft::NodeId;
@@ -36,6 +37,7 @@ pub struct SeedReport {
     pub jobs_succeeded: u64,
     pub client_retries: u64,
     pub processes_started: u64,
+    pub replica_processes_started: u64,
     pub sim_ms: u64,
     pub net: NetStats,
 }
@@ -142,12 +144,11 @@ async fn simulate(seed: u64, params: Params) -> SeedReport {
         tokio::spawn(super::agent::run(world.clone(), i, spec, rng.next_u64()));
     }
 
-    let plan = workload::submissions(
-        &mut rng,
-        params.jobs,
-        params.submit_window_ms,
-        params.hosts.len(),
-    );
+    let service_hosts = services::service_hosts(&params.hosts);
+    let rule_hosts: Vec<usize> = (0..params.hosts.len())
+        .filter(|i| !service_hosts.contains(i))
+        .collect();
+    let plan = workload::submissions(&mut rng, params.jobs, params.submit_window_ms, &rule_hosts);
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let mut clients = Vec::new();
     for c in 0..params.clients {
@@ -164,6 +165,23 @@ async fn simulate(seed: u64, params: Params) -> SeedReport {
             ledger.clone(),
             rng.next_u64(),
         )));
+    }
+
+    // The service comes from a stream of its own, so each seed's batch workload and fault
+    // schedule are what they were before services existed.
+    let mut service_rng = SplitMix64::new(seed ^ 0x5E41_1CE5);
+    let service = services::plan(&mut service_rng, &params.hosts, params.submit_window_ms);
+    world.observer().service_bound_slack_ms =
+        params.node_lease_ms + params.node_grace_ms + params.call_timeout_ms;
+    match &service {
+        Some(plan) => {
+            tokio::spawn(services::run_client(
+                world.clone(),
+                plan.clone(),
+                service_rng.next_u64(),
+            ));
+        }
+        None => world.observer().service_client_done = true,
     }
 
     let schedule = faults::plan(&mut rng, &params);
@@ -186,7 +204,7 @@ async fn simulate(seed: u64, params: Params) -> SeedReport {
             continue;
         }
         let clients_done = clients.iter().all(|c| c.is_finished());
-        let why = match settled(&world) {
+        let why = match settled(&world, service.as_ref()) {
             Ok(()) if clients_done => break,
             Ok(()) => "clients are still submitting".to_owned(),
             Err(why) => why,
@@ -326,9 +344,10 @@ fn raft_summary(world: &World) -> String {
         .join("; ")
 }
 
-/// Whether the cluster has settled: every replica up at one applied index and every job in
-/// a final state. The reason it has not, otherwise.
-fn settled(world: &World) -> Result<(), String> {
+/// Whether the cluster has settled: every replica up at one applied index, every batch job in
+/// a final state, and the seed's service at what its client last asked for (`services`). The
+/// reason it has not, otherwise.
+fn settled(world: &World, service: Option<&services::ServicePlan>) -> Result<(), String> {
     let running = world.cluster.all_running();
     if running.len() as u64 != world.params.replicas {
         return Err("a replica is down".into());
@@ -344,6 +363,12 @@ fn settled(world: &World) -> Result<(), String> {
     let (open, shown) = check::unfinished(&data.cluster, 5);
     if open > 0 {
         return Err(format!("{open} job(s) not finished: {shown}"));
+    }
+    if let Some(plan) = service {
+        let obs = world.observer();
+        let key = crate::state::service_key(services::TENANT, services::NAME);
+        let running = obs.service_ordinals_running(&key);
+        services::settled(&data.cluster, plan, obs.service_client_done, &running)?;
     }
     Ok(())
 }
@@ -436,6 +461,7 @@ async fn finish(
         jobs_succeeded: succeeded,
         client_retries: ledger.retries,
         processes_started: obs.processes_started,
+        replica_processes_started: obs.replica_processes_started,
         sim_ms: now,
         net: world.cluster.net.stats(),
     }
@@ -452,6 +478,7 @@ pub struct Summary {
     pub jobs_succeeded: u64,
     pub client_retries: u64,
     pub processes_started: u64,
+    pub replica_processes_started: u64,
     pub sim_ms: u64,
     pub messages: u64,
     pub messages_lost: u64,
@@ -468,6 +495,7 @@ impl Summary {
         self.jobs_succeeded += r.jobs_succeeded;
         self.client_retries += r.client_retries;
         self.processes_started += r.processes_started;
+        self.replica_processes_started += r.replica_processes_started;
         self.sim_ms += r.sim_ms;
         self.messages += r.net.sent;
         self.messages_lost += r.net.lost;
@@ -530,6 +558,7 @@ fn panicked(seed: u64, panic: Box<dyn std::any::Any + Send>) -> SeedReport {
         jobs_succeeded: 0,
         client_retries: 0,
         processes_started: 0,
+        replica_processes_started: 0,
         sim_ms: 0,
         net: NetStats::default(),
     }

@@ -68,7 +68,7 @@ pub fn submissions(
     rng: &mut SplitMix64,
     jobs: usize,
     window_ms: u64,
-    hosts: usize,
+    rule_hosts: &[usize],
 ) -> Vec<Submission> {
     let mut out = Vec::with_capacity(jobs);
     // Slurm's rules come from a stream of their own, so the job mix above is each seed's as
@@ -110,7 +110,12 @@ pub fn submissions(
         let at_ms = 1_000 + rng.below(window_ms.max(1));
         let duplicate = rng.below(10) == 0;
         let cancel_after_ms = (rng.below(100) < 8).then(|| rng.below(10_000));
-        let host = |r: &mut SplitMix64| format!("host-{}", r.below(hosts.max(1) as u64));
+        // Hosts a job names (`--nodelist`, `--exclude`) are never the service's: a job bound to a
+        // host whose GPUs a service holds for ever would never run.
+        let host = |r: &mut SplitMix64| {
+            let i = r.below(rule_hosts.len().max(1) as u64) as usize;
+            format!("host-{}", rule_hosts.get(i).copied().unwrap_or(0))
+        };
         let mut release_after_ms = None;
         let mut requeue_after_ms = None;
         match rules.below(100) {
@@ -242,7 +247,7 @@ pub async fn run_client(
     }
 }
 
-fn next_target(world: &World, target: NodeId, status: &Status) -> NodeId {
+pub(super) fn next_target(world: &World, target: NodeId, status: &Status) -> NodeId {
     let ids = world.cluster.ids();
     match leader_hint(status) {
         Some(l) if l != target => l,
@@ -300,7 +305,7 @@ async fn submit(
 
 /// A simulated client acts as a user of its submission's tenant (a client certificate with
 /// role user), so the tenant checks of submit and cancel run on every seed.
-fn user_identity(tenant: &str) -> std::sync::Arc<proto::tls::PeerIdentity> {
+pub(super) fn user_identity(tenant: &str) -> std::sync::Arc<proto::tls::PeerIdentity> {
     std::sync::Arc::new(proto::tls::PeerIdentity {
         role: proto::tls::CertRole::Client,
         name: format!("user-of-{tenant}"),

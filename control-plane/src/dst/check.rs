@@ -7,7 +7,8 @@
 //!   one copy per ordinal, at most `replicas + max_surge` copies (`dst::services`).
 //! - `check_replicas` looks at every live replica's applied state: its internal consistency
 //!   (`check_consistency`: no GPU held by two live allocations, shares within a GPU, each
-//!   service's ordinals), quotas, a service's copies that are not stopping within
+//!   service's ordinals), quotas, allocations' terms never going down in id order (no
+//!   decision of a deposed leader), a service's copies that are not stopping within
 //!   `replicas + max_surge`, and that two replicas at the same applied index hold identical
 //!   state.
 //! - `check_end` runs once faults have stopped: every acknowledged submission is present
@@ -413,6 +414,26 @@ pub fn check_state(replica: u64, state: &ClusterState) -> Vec<(&'static str, Str
                     t.name, t.max_gpus
                 ),
             ));
+        }
+    }
+    // Allocation ids are given in log order, so their terms never go down: an older term
+    // after a newer one is a deposed leader's decision that reached the state.
+    let mut newest: Option<(u64, u64)> = None;
+    for (id, rec) in &state.allocations {
+        let term = rec.allocation.term;
+        if let Some((prev_id, prev_term)) = newest
+            && term < prev_term
+        {
+            found.push((
+                "no decision from a stale leader (replicated state)",
+                format!(
+                    "replica {replica}: allocation {id} (job {}) carries term {term}, after allocation {prev_id} of term {prev_term}",
+                    rec.allocation.job
+                ),
+            ));
+        }
+        if newest.is_none_or(|(_, t)| term >= t) {
+            newest = Some((*id, term));
         }
     }
     for s in state.services.values() {

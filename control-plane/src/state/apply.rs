@@ -73,7 +73,12 @@ impl ClusterState {
             Command::CancelJob { job, reason } => self.cancel(*job, reason, at, index, changed),
             Command::RegisterNode { spec } => self.register_node(spec, at, index, changed),
             Command::Place { term, placements } => {
-                self.place(*term, placements, at, index, changed)
+                let outcome = self.place(*term, placements, at, index, changed);
+                // Only a plan that placed something counts: a refused one changes nothing.
+                if matches!(&outcome, Outcome::Placed { accepted, .. } if !accepted.is_empty()) {
+                    self.placement_term = self.placement_term.max(*term);
+                }
+                outcome
             }
             Command::AllocationStarted { allocation } => {
                 self.allocation_started(*allocation, at, index, changed)

@@ -98,6 +98,11 @@ pub struct ClusterState {
     /// (`Job::replica`); see `service`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub services: BTreeMap<String, service::Service>,
+    /// The greatest leader term of any plan applied. A placement that apply makes on its own
+    /// (a replica restarted in place when its report applies) carries it, so allocations'
+    /// terms never go down in log order, whoever decided them.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub placement_term: u64,
     /// Derived indexes, rebuilt from the data above after a snapshot is loaded
     /// (`rebuild_indexes`) and kept in step by `apply`. Not serialized.
     #[serde(skip)]
@@ -206,6 +211,7 @@ impl ClusterState {
             audit_retention: self.audit_retention,
             cluster_version: self.cluster_version,
             services: self.services.clone(),
+            placement_term: self.placement_term,
             index: Indexes::default(),
             cascaded: Vec::new(),
             touched_services: Vec::new(),
@@ -689,4 +695,8 @@ pub(crate) fn index_allocation(
             }
         }
     }
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }

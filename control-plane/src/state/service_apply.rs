@@ -701,8 +701,10 @@ impl ClusterState {
         };
         if self.check_placement(&p, at).is_ok() {
             let start_after = (wait > 0).then(|| at.saturating_add(wait));
+            // Not the old allocation's term: the newest plan's, so terms never go down in
+            // log order (a deposed leader's decisions are told apart by theirs).
             self.commit_placement_with(
-                a.term,
+                self.placement_term.max(a.term),
                 &p,
                 at,
                 index,

@@ -248,6 +248,31 @@ fn a_replica_that_exits_restarts_in_place_with_backoff_and_keeps_its_ordinal_and
 }
 
 #[test]
+fn a_restart_in_place_carries_the_newest_plans_term_so_terms_never_go_down() {
+    let mut h = fleet();
+    h.put(web(1));
+    h.bring_up("a1");
+    let j = h.copies()[0].1;
+    let first = h.job(j).allocations[0];
+    assert_eq!(h.alloc(first).allocation.term, TERM);
+    // A newer leader places a batch job meanwhile.
+    let batch = h.submit(job(1).tenant("ml").spec());
+    let newer = h.apply(Command::Place {
+        term: TERM + 3,
+        placements: vec![placement(batch, vec![task("h1", &[0])])],
+    });
+    assert!(matches!(newer.outcome, Outcome::Placed { .. }), "{newer:?}");
+    h.exit(first, failed(1));
+    let restarted = h.job(j).allocations[0];
+    assert!(restarted > h.job(batch).allocations[0]);
+    assert_eq!(
+        h.alloc(restarted).allocation.term,
+        TERM + 3,
+        "a later allocation never carries an older term than an earlier one"
+    );
+}
+
+#[test]
 fn a_replica_failing_again_and_again_is_crash_looping_with_a_capped_backoff() {
     let mut h = fleet();
     let mut spec = web(1);

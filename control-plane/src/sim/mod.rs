@@ -10,9 +10,13 @@
 //!   and `plan_with` (arrivals, durations, time limits, priorities, tenants, gangs,
 //!   dependencies), with a synthetic workload generator, and its plot.
 //!
+//! - `dl_workload`: a deep-learning training workload shaped after the Philly and Helios
+//!   characterisations.
+//!
 //! `gpuctl simulate fragmentation` and `gpuctl simulate replay` are the command-line front ends.
 
 pub mod csv_table;
+pub mod dl_workload;
 pub mod fragmentation;
 pub mod replay;
 pub mod replay_svg;

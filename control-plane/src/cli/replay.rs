@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::output::{self, Format};
 use crate::scheduler::{Policy, ScorePolicy};
-use crate::sim::replay::{self, RunConfig, RunResult, policy_name};
+use crate::sim::replay::{self, RunConfig, RunResult, Scheduler, policy_name};
 use crate::sim::{replay_svg, workload};
 use crate::state::{ClusterState, Command, Outcome, Tenant};
 use crate::synthetic::Driver;
@@ -149,9 +149,10 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
                     policy_name(&policy.scoring),
                     if backfill { "on" } else { "off" }
                 ),
-                policy,
+                scheduler: Scheduler::Ours(policy),
                 grace_ms: args.grace_s * 1000,
                 tick_ms: args.tick_s * 1000,
+                resume: false,
             };
             if bar.is_hidden() && fmt.is_table() {
                 eprintln!("replaying {} jobs: {} ...", jobs.len(), cfg.label);

@@ -11,13 +11,14 @@
 //!   dependencies), with a synthetic workload generator, and its plot.
 //!
 //! - `dl_workload`: a deep-learning training workload shaped after the Philly and Helios
-//!   characterisations.
+//!   characterisations; `las`: a Tiresias-style least-attained-service baseline scheduler.
 //!
 //! `gpuctl simulate fragmentation` and `gpuctl simulate replay` are the command-line front ends.
 
 pub mod csv_table;
 pub mod dl_workload;
 pub mod fragmentation;
+pub mod las;
 pub mod replay;
 pub mod replay_svg;
 pub mod svg;

@@ -214,6 +214,16 @@ fn whole_gpus(free: &NodeFree) -> u64 {
     free.milli().iter().filter(|&&m| m >= 1000).count() as u64
 }
 
+/// Whole GPUs a job needs, for the quick checks against free whole GPUs: 0 for shares and MIG
+/// slices, which those counts do not see.
+fn whole_gpu_demand(job: &Job) -> u64 {
+    if job.spec.gpu_milli > 0 || job.spec.mig_profile.is_some() {
+        0
+    } else {
+        job.spec.total_gpus()
+    }
+}
+
 /// One pass of the baseline at `now`.
 pub fn plan(state: &ClusterState, now: Timestamp, cfg: &LasConfig) -> LasPlan {
     let mut cands: Vec<Candidate> = state
@@ -231,16 +241,15 @@ pub fn plan(state: &ClusterState, now: Timestamp, cfg: &LasConfig) -> LasPlan {
         .map(|r| r.allocation.job)
         .collect();
     let fleet = Fleet::build(state);
-    let now_free = View {
+    let mut free = View {
         free: fleet.nodes.iter().map(|n| n.free).collect(),
         fleet: &fleet,
     };
     // `soon`: what is free once the jobs already stopping have exited.
     let mut soon = View {
-        free: now_free.free.clone(),
+        free: free.free.clone(),
         fleet: &fleet,
     };
-    let mut free = now_free;
     for id in &live {
         let job = &state.jobs[id];
         if job.state.is_final() || job.ending.is_some() {
@@ -269,13 +278,13 @@ pub fn plan(state: &ClusterState, now: Timestamp, cfg: &LasConfig) -> LasPlan {
     // GPUs held by running candidates not yet passed in the walk, by queue.
     let mut victim_gpus = vec![0u64; cfg.thresholds_gpu_s.len() + 1];
     for c in cands.iter().filter(|c| c.running) {
-        victim_gpus[c.queue] += c.job.spec.total_gpus();
+        victim_gpus[c.queue] += whole_gpu_demand(c.job);
     }
     let mut free_gpus: u64 = free.free.iter().map(whole_gpus).sum();
     let mut soon_gpus: u64 = soon.free.iter().map(whole_gpus).sum();
     for k in 0..cands.len() {
         let c = &cands[k];
-        let want = c.job.spec.total_gpus();
+        let want = whole_gpu_demand(c.job);
         if c.running {
             // A job stopped earlier in the walk left the count when it was chosen.
             if !stopped[k] {
@@ -319,7 +328,7 @@ pub fn plan(state: &ClusterState, now: Timestamp, cfg: &LasConfig) -> LasPlan {
         };
         for &v in &victims {
             stopped[v] = true;
-            victim_gpus[cands[v].queue] -= cands[v].job.spec.total_gpus();
+            victim_gpus[cands[v].queue] -= whole_gpu_demand(cands[v].job);
             out.stop.push(cands[v].job.id);
         }
         for (idx, fit) in &fits {
@@ -493,7 +502,13 @@ mod tests {
         }
 
         fn submit(&mut self, gpus: u32) -> JobId {
+            self.submit_share(gpus, 0)
+        }
+
+        /// A job of `gpus` GPUs, or with `milli` > 0 a share of one GPU.
+        fn submit_share(&mut self, gpus: u32, milli: u32) -> JobId {
             let spec = JobSpec {
+                gpu_milli: milli,
                 tenant: "t".into(),
                 name: "j".into(),
                 command: vec!["x".into()],
@@ -670,6 +685,23 @@ mod tests {
         w.submit(2);
         assert_eq!(w.queue(long), 1);
         assert_eq!(w.plan(), LasPlan::default());
+    }
+
+    #[test]
+    fn shares_fill_a_partly_used_gpu() {
+        // One GPU: a 600-milli share runs; no whole GPU is free, but a 400-milli share fits
+        // beside it, and a 500-milli one does not.
+        let mut w = World::new(1);
+        let first = w.submit_share(1, 600);
+        w.apply(&w.plan());
+        let fits = w.submit_share(1, 400);
+        let too_big = w.submit_share(1, 500);
+        let p = w.plan();
+        assert_eq!(World::placed(&p), [fits], "{p:?}");
+        assert!(p.stop.is_empty());
+        w.apply(&p);
+        assert!(w.d.state.jobs[&first].allocations.len() == 1);
+        assert!(w.d.state.jobs[&too_big].allocations.is_empty());
     }
 
     #[test]

@@ -1,6 +1,8 @@
-//! `gpuctl simulate replay`: the time-based replay (`sim::replay`) of a synthetic workload or of the
-//! public trace, once per policy × backfill setting, side by side: a table, or JSON (one
-//! object on the last line), and optionally an SVG plot.
+//! `gpuctl simulate replay`: the time-based replay (`sim::replay`) of a synthetic workload, the
+//! deep-learning workload (`sim::dl_workload`) or the public trace, once per policy × backfill
+//! setting, side by side: a table, or JSON (one object on the last line), and optionally an SVG
+//! plot. With `--compare`, instead: ours, FIFO + backfill and a Tiresias-style LAS baseline on
+//! the same trace (`sim::compare`), with ours/baseline ratios.
 
 use std::path::PathBuf;
 
@@ -8,17 +10,25 @@ use serde_json::json;
 
 use super::output::{self, Format};
 use crate::scheduler::{Policy, ScorePolicy};
-use crate::sim::replay::{self, RunConfig, RunResult, policy_name};
-use crate::sim::{replay_svg, workload};
+use crate::sim::compare::{self, CompareConfig, Comparison};
+use crate::sim::replay::{self, RunConfig, RunResult, Scheduler, policy_name};
+use crate::sim::{dl_workload, replay_svg, workload};
 use crate::state::{ClusterState, Command, Outcome, Tenant};
 use crate::synthetic::Driver;
 
 #[derive(clap::Args, Debug)]
 pub struct ReplayArgs {
-    /// `synthetic` (generated jobs on a synthetic fleet) or `trace` (`--pods`, `--nodes`).
+    /// `synthetic` (generated jobs on a synthetic fleet), `dl` (deep-learning training jobs
+    /// shaped after the Philly and Helios traces, on the synthetic fleet) or `trace` (`--pods`,
+    /// `--nodes`).
     #[arg(long, default_value = "synthetic")]
     pub workload: String,
-    /// Synthetic: number of jobs.
+    /// Compare queueing quality instead: ours (default policy), FIFO + EASY backfill (Slurm's
+    /// default) and a Tiresias-style least-attained-service baseline on the same trace; JCT,
+    /// queueing delay, utilization and ours/baseline ratios. Ignores --policies and --backfill.
+    #[arg(long)]
+    pub compare: bool,
+    /// Synthetic and dl: number of jobs.
     #[arg(long, default_value_t = 2000)]
     pub jobs: usize,
     /// Synthetic: 8-GPU hosts (DGX H100 mostly, some DGX-1 and L40S; 32 per rack).
@@ -110,19 +120,22 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
             "time_limit_factor": args.trace_limit_factor, "time_scale": args.trace_time_scale});
         (jobs, d)
     } else {
-        anyhow::ensure!(
-            args.workload == "synthetic",
-            "--workload is synthetic or trace, not {:?}",
-            args.workload
-        );
+        let generate = match args.workload.as_str() {
+            "synthetic" => workload::synthetic,
+            "dl" => dl_workload::dl,
+            other => anyhow::bail!("--workload is synthetic, dl or trace, not {other:?}"),
+        };
         crate::synthetic::fleet(&mut driver, args.hosts)?;
         let gpus = driver.state.total_gpus();
-        let jobs = workload::synthetic(args.jobs, gpus, args.load, args.seed);
-        let d = json!({"kind": "synthetic", "hosts": args.hosts, "gpus": gpus, "jobs": jobs.len(),
+        let jobs = generate(args.jobs, gpus, args.load, args.seed);
+        let d = json!({"kind": args.workload, "hosts": args.hosts, "gpus": gpus, "jobs": jobs.len(),
             "load": args.load, "seed": args.seed});
         (jobs, d)
     };
     let base: ClusterState = driver.state;
+    if args.compare {
+        return run_compare(&args, &base, &jobs, &description, fmt);
+    }
     let backfills: &[bool] = match args.backfill.as_str() {
         "both" => &[true, false],
         "on" => &[true],
@@ -149,9 +162,10 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
                     policy_name(&policy.scoring),
                     if backfill { "on" } else { "off" }
                 ),
-                policy,
+                scheduler: Scheduler::Ours(policy),
                 grace_ms: args.grace_s * 1000,
                 tick_ms: args.tick_s * 1000,
+                resume: false,
             };
             if bar.is_hidden() && fmt.is_table() {
                 eprintln!("replaying {} jobs: {} ...", jobs.len(), cfg.label);
@@ -219,6 +233,117 @@ pub fn run(args: ReplayArgs, fmt: Format) -> anyhow::Result<()> {
                 )
             );
             for r in runs.iter().filter(|r| !r.refusals.is_empty()) {
+                eprintln!("{}: refused placements: {:?}", r.label, r.refusals);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `--compare`: the three schedulers on one trace, then the ratios of ours to each baseline.
+fn run_compare(
+    args: &ReplayArgs,
+    base: &ClusterState,
+    jobs: &[workload::TraceJob],
+    description: &serde_json::Value,
+    fmt: Format,
+) -> anyhow::Result<()> {
+    let mut cfg = CompareConfig {
+        grace_ms: args.grace_s * 1000,
+        tick_ms: args.tick_s * 1000,
+        ..CompareConfig::default()
+    };
+    cfg.ours.preemption = !args.no_preemption;
+    cfg.las.preemption = !args.no_preemption;
+    if let Some(s) = args.aging_step_s {
+        cfg.ours.aging_step_ms = s * 1000;
+    }
+    let bar = super::progress::bar(3, "runs", fmt);
+    let mut runs_started = 0;
+    let c: Comparison = compare::compare(base, jobs, &cfg, |label| {
+        if bar.is_hidden() && fmt.is_table() {
+            eprintln!("replaying {} jobs: {label} ...", jobs.len());
+        }
+        if runs_started > 0 {
+            bar.inc(1);
+        }
+        runs_started += 1;
+        bar.set_message(label.to_string());
+    })?;
+    bar.finish_and_clear();
+    match fmt {
+        Format::Json | Format::Yaml => println!(
+            "{}",
+            json!({"workload": description, "runs": c.runs, "ratios": c.ratios})
+        ),
+        Format::Table | Format::Wide => {
+            println!("{description}");
+            let rows: Vec<Vec<String>> = c
+                .runs
+                .iter()
+                .map(|r| {
+                    vec![
+                        r.label.clone(),
+                        r.jobs.to_string(),
+                        r.completed.to_string(),
+                        r.unfinished.to_string(),
+                        r.preemptions.to_string(),
+                        format!("{:.0}", r.mean_jct_s),
+                        format!("{:.0}", r.p99_jct_s),
+                        format!("{:.0}", r.mean_queue_delay_s),
+                        format!("{:.0}", r.p99_queue_delay_s),
+                        format!("{:.1}%", r.gpu_utilization * 100.0),
+                        format!("{:.0}", r.makespan_s),
+                        r.refused_placements.to_string(),
+                        format!("{:.1}", r.wall_s),
+                    ]
+                })
+                .collect();
+            print!(
+                "{}",
+                output::table(
+                    &[
+                        "SCHEDULER",
+                        "JOBS",
+                        "DONE",
+                        "UNFIN",
+                        "STOPPED",
+                        "JCT_S",
+                        "P99_JCT_S",
+                        "DELAY_S",
+                        "P99_DELAY_S",
+                        "UTIL",
+                        "MAKESPAN_S",
+                        "REFUSED",
+                        "WALL_S",
+                    ],
+                    &rows
+                )
+            );
+            let shown = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{r:.2}"));
+            let rows: Vec<Vec<String>> = c
+                .ratios
+                .iter()
+                .map(|r| {
+                    vec![
+                        format!("ours / {}", r.baseline),
+                        shown(r.mean_jct),
+                        shown(r.p99_jct),
+                        shown(r.mean_queue_delay),
+                        shown(r.p99_queue_delay),
+                        shown(r.gpu_utilization),
+                    ]
+                })
+                .collect();
+            println!();
+            print!(
+                "{}",
+                output::table(
+                    &["RATIO", "JCT", "P99_JCT", "DELAY", "P99_DELAY", "UTIL"],
+                    &rows
+                )
+            );
+            for r in c.runs.iter().filter(|r| !r.refusals.is_empty()) {
                 eprintln!("{}: refused placements: {:?}", r.label, r.refusals);
             }
         }

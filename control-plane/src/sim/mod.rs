@@ -10,10 +10,17 @@
 //!   and `plan_with` (arrivals, durations, time limits, priorities, tenants, gangs,
 //!   dependencies), with a synthetic workload generator, and its plot.
 //!
+//! - `dl_workload`: a deep-learning training workload shaped after the Philly and Helios
+//!   characterisations; `las`: a Tiresias-style least-attained-service baseline scheduler;
+//!   `compare`: ours, FIFO + backfill and that baseline side by side on one trace.
+//!
 //! `gpuctl simulate fragmentation` and `gpuctl simulate replay` are the command-line front ends.
 
+pub mod compare;
 pub mod csv_table;
+pub mod dl_workload;
 pub mod fragmentation;
+pub mod las;
 pub mod replay;
 pub mod replay_svg;
 pub mod svg;

@@ -11,6 +11,11 @@
 //! (the plan depends on `now` only through aging and fair-share decay), and optionally every
 //! `tick_ms` while anything else is still to happen.
 //!
+//! A run plans with the real scheduler under a policy, or with the simulator-only
+//! least-attained-service baseline (`Scheduler::Las`, `sim::las`), whose stops are requeues
+//! (`JobChange::Requeue`). With `RunConfig::resume`, a stopped job later runs only what was left
+//! of its work (checkpointed training); without, it starts over.
+//!
 //! Metrics:
 //! - queueing delay of a job: the sum, over its placements, of placement time − the time it
 //!   became eligible (`queue::eligible_since`: submission, requeue after a preemption, or the
@@ -34,27 +39,40 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use serde::Serialize;
 
+use super::las::{self, LasConfig};
 use super::workload::TraceJob;
 use crate::scheduler::queue::{AGED_LEVEL, dependencies_met, eligible_since, level};
 use crate::scheduler::{Policy, ScorePolicy, plan_with};
 use crate::state::{
-    ClusterState, Command, Dependency, DependencyKind, JobId, JobState, MILLI_PER_GPU, NodeStatus,
-    Outcome, TaskOutcome, Timestamp,
+    ClusterState, Command, Dependency, DependencyKind, JobChange, JobId, JobState, MILLI_PER_GPU,
+    NodeStatus, Outcome, TaskOutcome, Timestamp,
 };
 use crate::synthetic::Driver;
 
 /// Simulated time of the trace's 0 (any fixed epoch; only differences matter).
 pub const EPOCH_MS: Timestamp = 1_000_000_000;
 
+/// Which scheduler plans the passes of a run.
+#[derive(Debug, Clone)]
+pub enum Scheduler {
+    /// The real scheduler: `plan_with` under this policy.
+    Ours(Policy),
+    /// The simulator-only Tiresias-style baseline (`sim::las`); its preemptions are requeues.
+    Las(LasConfig),
+}
+
 /// One run's settings.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
     pub label: String,
-    pub policy: Policy,
+    pub scheduler: Scheduler,
     /// How long a preempted job takes to stop.
     pub grace_ms: u64,
     /// Extra periodic passes (0: passes only at events and aging steps).
     pub tick_ms: u64,
+    /// A stopped job resumes where it stopped (checkpointed training, as Tiresias assumes)
+    /// instead of starting over.
+    pub resume: bool,
 }
 
 /// The figures of one run.
@@ -157,6 +175,10 @@ struct JobRecord {
     run: u32,
     /// When the current run ends if nothing stops it.
     natural_end: Timestamp,
+    /// When the current run started.
+    started: Timestamp,
+    /// Work done by earlier runs that were stopped (counted only with `RunConfig::resume`).
+    done_ms: u64,
     delay_ms: u64,
     placed: bool,
     ended: Option<Timestamp>,
@@ -234,8 +256,12 @@ impl Sim<'_> {
                     anyhow::ensure!(o == Outcome::Done, "exit of allocation {allocation}: {o:?}");
                 }
                 let state = self.driver.state.jobs[&job].state;
+                let resume = self.cfg.resume;
                 let rec = self.records.get_mut(&job).expect("record");
                 rec.run += 1;
+                if kind == EndKind::Stopped && resume {
+                    rec.done_ms += now.saturating_sub(rec.started);
+                }
                 if state.is_final() {
                     rec.ended = Some(now);
                 }
@@ -245,40 +271,72 @@ impl Sim<'_> {
         Ok(())
     }
 
+    /// A running job was asked to stop: it exits a grace period later (or at its natural end,
+    /// if sooner) and is requeued.
+    fn stopping(&mut self, job: JobId, now: Timestamp) {
+        let Some(rec) = self.records.get_mut(&job) else {
+            return;
+        };
+        rec.run += 1;
+        let run = rec.run;
+        let at = now + self.cfg.grace_ms.min(rec.natural_end.saturating_sub(now));
+        self.out.preemptions += 1;
+        self.push(
+            at,
+            Event::End {
+                job,
+                run,
+                kind: EndKind::Stopped,
+            },
+        );
+    }
+
     fn pass(&mut self, now: Timestamp) -> anyhow::Result<()> {
-        let plan = plan_with(&self.driver.state, now, &self.cfg.policy);
         self.out.passes += 1;
-        for p in plan.preemptions {
-            let o = self.apply(&Command::Preempt {
-                for_job: p.for_job,
-                victims: p.victims,
-                reason: String::new(),
-            });
-            if let Outcome::Preempted { accepted, .. } = o {
-                for v in accepted {
-                    let Some(rec) = self.records.get_mut(&v) else {
-                        continue;
-                    };
-                    rec.run += 1;
-                    let run = rec.run;
-                    let at = now + self.cfg.grace_ms.min(rec.natural_end.saturating_sub(now));
-                    self.out.preemptions += 1;
-                    self.push(
-                        at,
-                        Event::End {
-                            job: v,
-                            run,
-                            kind: EndKind::Stopped,
-                        },
-                    );
+        let placements = match &self.cfg.scheduler {
+            Scheduler::Ours(policy) => {
+                let plan = plan_with(&self.driver.state, now, policy);
+                for p in plan.preemptions {
+                    let o = self.apply(&Command::Preempt {
+                        for_job: p.for_job,
+                        victims: p.victims,
+                        reason: String::new(),
+                    });
+                    if let Outcome::Preempted { accepted, .. } = o {
+                        for v in accepted {
+                            self.stopping(v, now);
+                        }
+                    }
                 }
+                plan.placements
             }
-        }
-        if plan.placements.is_empty() {
+            Scheduler::Las(cfg) => {
+                let plan = las::plan(&self.driver.state, now, cfg);
+                if !plan.stop.is_empty() {
+                    let o = self.apply(&Command::ChangeJobs {
+                        jobs: plan.stop,
+                        change: JobChange::Requeue {
+                            reason: "a job of a higher queue waits".into(),
+                        },
+                    });
+                    let Outcome::JobsChanged { changed, refused } = o else {
+                        anyhow::bail!("requeue of the baseline's victims: {o:?}");
+                    };
+                    anyhow::ensure!(
+                        refused.is_empty(),
+                        "requeue of the baseline's victims refused: {refused:?}"
+                    );
+                    for v in changed {
+                        self.stopping(v, now);
+                    }
+                }
+                plan.placements
+            }
+        };
+        if placements.is_empty() {
             return Ok(());
         }
-        let eligible: HashMap<JobId, Timestamp> = plan
-            .placements
+        let eligible: HashMap<JobId, Timestamp> = placements
             .iter()
             .filter_map(|p| {
                 let j = self.driver.state.jobs.get(&p.job)?;
@@ -287,7 +345,7 @@ impl Sim<'_> {
             .collect();
         let o = self.apply(&Command::Place {
             term: 1,
-            placements: plan.placements,
+            placements,
         });
         let Outcome::Placed { accepted, rejected } = o else {
             anyhow::bail!("place: {o:?}");
@@ -313,9 +371,16 @@ impl Sim<'_> {
             rec.delay_ms += now.saturating_sub(eligible.get(&job).copied().unwrap_or(now));
             rec.placed = true;
             rec.run += 1;
-            rec.natural_end = now + t.run_ms();
+            rec.started = now;
+            // What is left of its work, cut at its time limit (which counts per run).
+            let left = t.duration_ms.saturating_sub(rec.done_ms);
+            let run_ms = match t.spec.time_limit_secs {
+                Some(l) => left.min(l * 1000),
+                None => left,
+            };
+            rec.natural_end = now + run_ms;
             let (run, at) = (rec.run, rec.natural_end);
-            let kind = if t.run_ms() < t.duration_ms {
+            let kind = if run_ms < left {
                 EndKind::TimedOut
             } else {
                 EndKind::Succeeded
@@ -329,7 +394,11 @@ impl Sim<'_> {
     /// periodic tick), unless one is already due by then.
     fn schedule_tick(&mut self, now: Timestamp) {
         let state = &self.driver.state;
-        let step = self.cfg.policy.aging_step_ms;
+        // Only the real scheduler ages jobs; the baseline changes its mind only at events.
+        let step = match &self.cfg.scheduler {
+            Scheduler::Ours(policy) => policy.aging_step_ms,
+            Scheduler::Las(_) => 0,
+        };
         let mut next: Option<Timestamp> = None;
         if step > 0 {
             for job in state.pending_jobs() {
@@ -458,6 +527,15 @@ pub fn run(base: &ClusterState, jobs: &[TraceJob], cfg: &RunConfig) -> anyhow::R
     let mut driver = Driver::new(EPOCH_MS + first);
     driver.state = base.clone();
     driver.index = 1_000_000;
+    let (backfill, policy, preemption) = match &cfg.scheduler {
+        Scheduler::Ours(p) => (p.backfill, policy_name(&p.scoring), p.preemption),
+        Scheduler::Las(l) => {
+            // The baseline stops its victims with a requeue (`ChangeJobs`, format 2).
+            let o = driver.apply(&Command::SetClusterVersion { version: 2 });
+            anyhow::ensure!(o == Outcome::Done, "raising the cluster version: {o:?}");
+            (false, "las", l.preemption)
+        }
+    };
     let mut sim = Sim {
         driver,
         jobs,
@@ -470,9 +548,9 @@ pub fn run(base: &ClusterState, jobs: &[TraceJob], cfg: &RunConfig) -> anyhow::R
         live: 0,
         out: RunResult {
             label: cfg.label.clone(),
-            backfill: cfg.policy.backfill,
-            policy: policy_name(&cfg.policy.scoring).into(),
-            preemption: cfg.policy.preemption,
+            backfill,
+            policy: policy.into(),
+            preemption,
             jobs: jobs.len(),
             ..RunResult::default()
         },
@@ -640,12 +718,13 @@ mod tests {
     fn cfg(backfill: bool) -> RunConfig {
         RunConfig {
             label: String::new(),
-            policy: Policy {
+            scheduler: Scheduler::Ours(Policy {
                 backfill,
                 ..Policy::default()
-            },
+            }),
             grace_ms: 30_000,
             tick_ms: 0,
+            resume: false,
         }
     }
 

@@ -430,7 +430,8 @@ fn service_copies(events: &[Event]) -> InvariantResult {
         "no service runs more copies than replicas + max_surge on the hosts",
     );
     // Per service: (sent, answered, bound) of every change, in order.
-    let mut changes: BTreeMap<&str, Vec<(u64, Option<u64>, u32)>> = BTreeMap::new();
+    type Change = (u64, Option<u64>, u32);
+    let mut changes: BTreeMap<&str, Vec<Change>> = BTreeMap::new();
     for e in events {
         if let Event::ServiceChange {
             at_ms,

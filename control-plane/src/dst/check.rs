@@ -578,8 +578,10 @@ mod tests {
 
     #[test]
     fn copies_beyond_replicas_plus_surge_are_reported_once_the_old_limit_has_expired() {
-        let mut o = Observer::default();
-        o.service_bound_slack_ms = 100;
+        let mut o = Observer {
+            service_bound_slack_ms: 100,
+            ..Observer::default()
+        };
         o.service_bound_changed("t1/svc", 0, 3);
         o.service_change_acked("t1/svc", 5);
         for (a, ordinal) in [(1, 0), (2, 1), (3, 2)] {

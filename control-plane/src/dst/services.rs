@@ -202,7 +202,7 @@ pub async fn run_client(world: Arc<World>, plan: ServicePlan, seed: u64) {
     while !world.stopped() && !hosts_registered(&world, &spec.template.job.nodelist) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let create = ServiceRequest::Put(spec.clone());
+    let create = ServiceRequest::Put(Box::new(spec.clone()));
     if !send(&world, me, &mut target, &mut rng, create, plan.create_at_ms).await {
         return;
     }
@@ -217,7 +217,7 @@ pub async fn run_client(world: Arc<World>, plan: ServicePlan, seed: u64) {
                     .job
                     .env
                     .insert("VERSION".into(), v.to_string());
-                ServiceRequest::Put(spec.clone())
+                ServiceRequest::Put(Box::new(spec.clone()))
             }
             Change::UndoToFirst => {
                 spec.template = plan.spec.template.clone();
@@ -245,7 +245,7 @@ pub async fn run_client(world: Arc<World>, plan: ServicePlan, seed: u64) {
 
 #[derive(Clone)]
 enum ServiceRequest {
-    Put(ServiceSpec),
+    Put(Box<ServiceSpec>),
     Scale(u32),
     UndoTo(u64),
     Delete,
@@ -299,7 +299,7 @@ async fn send(
             .cluster
             .call(me, *target, timeout, |r| async move {
                 let api = &r.client_api;
-                let answer = match sent {
+                match sent {
                     ServiceRequest::Put(spec) => {
                         let m = pb::PutServiceRequest {
                             spec: Some(service_spec_to_proto(&spec)),
@@ -328,8 +328,7 @@ async fn send(
                         let m = pb::DeleteServiceRequest { service: name() };
                         api.delete_service(sim_request_as(&identity, m)).await
                     }
-                };
-                answer
+                }
             })
             .await;
         match result {

@@ -253,9 +253,14 @@ impl Replica {
     /// The reasons of this leader's last pass, if this replica leads in the term that
     /// computed them (a former leader's board is stale, a follower has none).
     pub fn current_reasons(&self) -> Option<Arc<crate::scheduler::Board>> {
-        let m = self.raft.metrics();
-        let m = m.borrow();
-        if m.current_leader != Some(self.id) {
+        // Copied out: a borrow of the metrics holds their lock, and is never kept while
+        // another lock is taken (see `api::route::current_leader_state`).
+        let (leader, term) = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            (m.current_leader, m.current_term)
+        };
+        if leader != Some(self.id) {
             return None;
         }
         let board = self
@@ -263,7 +268,7 @@ impl Replica {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()?;
-        (board.term == m.current_term).then_some(board)
+        (board.term == term).then_some(board)
     }
 
     pub fn commit_index(&self) -> u64 {

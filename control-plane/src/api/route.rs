@@ -139,10 +139,18 @@ pub async fn current_leader_state(replica: &Replica) -> Result<(), ApiError> {
     // Also wakes when another replica is known to lead, to forward to it.
     let settled = |m: &Metrics| current(m) || m.current_leader.is_some_and(|l| l != replica.id);
     let waited = tokio::time::timeout(CURRENT_STATE_WAIT, metrics.wait_for(settled)).await;
+    // `wait_for` answers with a borrow of the metrics, which holds their lock for reading. It
+    // must be gone before anything reads them again: `forward_if_follower` does, and if the
+    // Raft core reported new metrics in between, its write waited for this borrow and the
+    // second read waited for the write. That froze this runtime thread and the core's, and with
+    // them the whole replica, for good (`bench failover --cpu-hog`, once in about 250 kills).
+    let is_current = matches!(&waited, Ok(Ok(m)) if current(m));
+    drop(waited);
     forward_if_follower(replica)?;
-    match waited {
-        Ok(Ok(m)) if current(&m) => Ok(()),
+    if is_current {
+        Ok(())
+    } else {
         // Still no leader with a current state: the caller retries, and finds one.
-        _ => Err(ApiError::NotLeader { leader: None }),
+        Err(ApiError::NotLeader { leader: None })
     }
 }

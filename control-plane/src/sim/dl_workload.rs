@@ -37,9 +37,8 @@
 //! runs every job to completion. Arrivals are a Poisson process at the offered `load`, computed
 //! as `workload::synthetic` does.
 
-use super::workload::TraceJob;
+use super::workload::{TraceJob, poisson_arrivals, unit};
 use crate::scheduler::score::SplitMix64;
-use crate::state::MILLI_PER_GPU;
 
 /// GPUs per host in the fleets this workload is meant for: bigger jobs are gangs of such tasks.
 pub const GPUS_PER_HOST: u32 = 8;
@@ -62,10 +61,6 @@ const MAX_DURATION_S: f64 = 7.0 * 24.0 * 3600.0;
 
 /// Per-mille of jobs from each tenant `t0`..`t7`.
 const TENANT_SHARES: [u64; 8] = [300, 200, 150, 100, 80, 70, 50, 50];
-
-fn unit(rng: &mut SplitMix64) -> f64 {
-    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-}
 
 /// A standard normal draw (Box–Muller).
 fn normal(rng: &mut SplitMix64) -> f64 {
@@ -119,18 +114,7 @@ pub fn dl(n: usize, capacity_gpus: usize, load: f64, seed: u64) -> Vec<TraceJob>
             after: None,
         });
     }
-    // Rate: load × capacity (milli-GPU) / mean milli-GPU-ms a job holds.
-    let work: f64 = jobs
-        .iter()
-        .map(|j| j.spec.total_gpu_milli() as f64 * j.run_ms() as f64)
-        .sum::<f64>()
-        / n.max(1) as f64;
-    let rate_per_ms = load * (capacity_gpus as u64 * MILLI_PER_GPU) as f64 / work.max(1.0);
-    let mut t = 0.0f64;
-    for j in &mut jobs {
-        j.arrival_ms = t as u64;
-        t += -(1.0 - unit(&mut rng)).ln() / rate_per_ms;
-    }
+    poisson_arrivals(&mut jobs, capacity_gpus, load, &mut rng);
     jobs
 }
 

@@ -38,7 +38,8 @@ impl TraceJob {
     }
 }
 
-fn unit(rng: &mut SplitMix64) -> f64 {
+/// A uniform draw in [0, 1).
+pub(super) fn unit(rng: &mut SplitMix64) -> f64 {
     (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
@@ -91,19 +92,30 @@ pub fn synthetic(n: usize, capacity_gpus: usize, load: f64, seed: u64) -> Vec<Tr
             after,
         });
     }
-    // Rate: load × capacity (milli-GPU) / mean milli-GPU-ms a job holds.
+    poisson_arrivals(&mut jobs, capacity_gpus, load, &mut rng);
+    jobs
+}
+
+/// Sets the jobs' arrival times, in order, as a Poisson process whose rate makes the offered
+/// GPU work `load` × `capacity_gpus`: load × capacity (milli-GPU) / the mean milli-GPU-ms a
+/// job holds.
+pub(super) fn poisson_arrivals(
+    jobs: &mut [TraceJob],
+    capacity_gpus: usize,
+    load: f64,
+    rng: &mut SplitMix64,
+) {
     let work: f64 = jobs
         .iter()
         .map(|j| j.spec.total_gpu_milli() as f64 * j.run_ms() as f64)
         .sum::<f64>()
-        / n.max(1) as f64;
+        / jobs.len().max(1) as f64;
     let rate_per_ms = load * (capacity_gpus as u64 * MILLI_PER_GPU) as f64 / work.max(1.0);
     let mut t = 0.0f64;
-    for j in &mut jobs {
+    for j in jobs.iter_mut() {
         j.arrival_ms = t as u64;
-        t += -(1.0 - unit(&mut rng)).ln() / rate_per_ms;
+        t += -(1.0 - unit(rng)).ln() / rate_per_ms;
     }
-    jobs
 }
 
 /// The trace's CSV (`csv_table`), with fields read by column and parse errors naming

@@ -438,13 +438,10 @@ fn placement(fleet: &Fleet, job: JobId, fits: &[(NodeIdx, TaskFit)]) -> JobPlace
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
     use super::*;
     use crate::sim::replay::EPOCH_MS;
-    use crate::state::{
-        Command, Gpu, GpuHealth, JobChange, JobSpec, NodeSpec, Outcome, TaskOutcome,
-    };
+    use crate::state::{Command, JobChange, JobSpec, Outcome, TaskOutcome};
     use crate::synthetic::Driver;
 
     /// One node of `gpus` GPUs, one tenant, and the plans of the baseline applied to it.
@@ -456,33 +453,7 @@ mod tests {
     impl World {
         fn new(gpus: u32) -> World {
             let mut d = Driver::new(EPOCH_MS);
-            let spec = NodeSpec {
-                agent_release: String::new(),
-                enforcement: String::new(),
-                container_runtime: String::new(),
-                service_ports: None,
-                name: "n0".into(),
-                gpus: (0..gpus)
-                    .map(|i| Gpu {
-                        uuid: format!("GPU-{i}"),
-                        index: i,
-                        model: "X".into(),
-                        memory_mib: 16_384,
-                        numa_node: None,
-                        pci_bus_id: String::new(),
-                        health: GpuHealth::Healthy,
-                        mig: vec![],
-                    })
-                    .collect(),
-                cpu_milli: 64_000,
-                memory_mib: 512_000,
-                partition: None,
-                labels: BTreeMap::new(),
-                topology: vec![],
-                agent_address: String::new(),
-                driver: "simulated".into(),
-                incarnation: String::new(),
-            };
+            let spec = crate::sim::test_fleet::plain_node("n0", gpus);
             assert_eq!(
                 d.apply(&Command::RegisterNode { spec }),
                 Outcome::NodeRegistered

@@ -24,5 +24,7 @@ pub mod las;
 pub mod replay;
 pub mod replay_svg;
 pub mod svg;
+#[cfg(test)]
+mod test_fleet;
 pub mod trace;
 pub mod workload;

@@ -642,43 +642,16 @@ pub fn run(base: &ClusterState, jobs: &[TraceJob], cfg: &RunConfig) -> anyhow::R
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
     use super::*;
     use crate::sim::workload;
-    use crate::state::{Gpu, GpuHealth, JobSpec, NodeSpec, Tenant};
+    use crate::state::{JobSpec, Tenant};
 
     /// `nodes` plain nodes of `gpus` GPUs each and one tenant `t`.
     fn cluster(nodes: usize, gpus: u32) -> ClusterState {
         let mut d = Driver::new(EPOCH_MS);
         for n in 0..nodes {
-            let spec = NodeSpec {
-                agent_release: String::new(),
-                enforcement: String::new(),
-                container_runtime: String::new(),
-                service_ports: None,
-                name: format!("n{n}"),
-                gpus: (0..gpus)
-                    .map(|i| Gpu {
-                        uuid: format!("GPU-n{n}-{i}"),
-                        index: i,
-                        model: "X".into(),
-                        memory_mib: 16_384,
-                        numa_node: None,
-                        pci_bus_id: String::new(),
-                        health: GpuHealth::Healthy,
-                        mig: vec![],
-                    })
-                    .collect(),
-                cpu_milli: 64_000,
-                memory_mib: 512_000,
-                partition: None,
-                labels: BTreeMap::new(),
-                topology: vec![],
-                agent_address: String::new(),
-                driver: "simulated".into(),
-                incarnation: String::new(),
-            };
+            let spec = crate::sim::test_fleet::plain_node(&format!("n{n}"), gpus);
             assert_eq!(
                 d.apply(&Command::RegisterNode { spec }),
                 Outcome::NodeRegistered

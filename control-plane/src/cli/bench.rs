@@ -11,6 +11,8 @@
 //! - `scheduler`: one scheduling pass, in process (`bench_scheduler`).
 //! - `status-page`: rendering the status page's pages, in process (`bench_status_page`).
 //! - `membership`: adding a replica to a cluster holding a large state (`bench_membership`).
+//! - `scale`: one replica set holding a full fleet and a long queue, from 1,000 to 20,000 hosts:
+//!   pass time, memory, snapshots, a wiped replica's rejoin (`bench_scale`).
 //! - `e2e`: end-to-end jobs per second on simulated hosts running real agents, side by side
 //!   with Slurm (`bench_e2e`, `bench_slurm`).
 //! - `rollout`: an in-place agent rollout across a fleet of real agents running jobs
@@ -218,6 +220,40 @@ pub enum BenchCommand {
         #[arg(long, default_value = "", allow_hyphen_values = true)]
         replica_args: String,
     },
+    /// One replica set holding a full fleet of 8-GPU hosts and a long pending queue, for each
+    /// fleet size: the scheduling pass (in process and on the running leader), every
+    /// replica's memory, the snapshot's build, `cluster snapshot save`, and a follower wiped
+    /// and joining again (snapshot installed, voter). `--plot` draws the cost curve.
+    Scale {
+        /// Fleet sizes in 8-GPU hosts, one fresh cluster each (comma-separated).
+        #[arg(
+            long,
+            default_value = "1000,2000,5000,10000,20000",
+            value_delimiter = ','
+        )]
+        hosts: Vec<usize>,
+        /// Jobs pending behind the full fleet.
+        #[arg(long, default_value_t = 100_000)]
+        pending: usize,
+        /// In-process scheduling passes per size.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Seconds the running leader schedules the queue before its passes are read.
+        #[arg(long, default_value_t = 15)]
+        window_secs: u64,
+        /// Extra flags for every replica.
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        replica_args: String,
+        /// Write the cost curve over the sizes to this SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// Internal: the measuring child's phase (build).
+        #[arg(long, hide = true)]
+        phase: Option<String>,
+        /// Internal: the child's data directory.
+        #[arg(long, hide = true)]
+        dir: Option<PathBuf>,
+    },
     /// End to end, ours and Slurm's side by side: jobs of `sleep 0` on one GPU each, from
     /// release to all completed, on simulated hosts running real agents (Slurm: real slurmds).
     E2e {
@@ -402,6 +438,36 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
                 jobs,
                 hosts,
                 replica_args: replica_args.split_whitespace().map(str::to_owned).collect(),
+            },
+            keep_data,
+        )?;
+        match fmt {
+            Format::Json | Format::Yaml => println!("{json}"),
+            Format::Table | Format::Wide => print!("{text}"),
+        }
+        return Ok(());
+    }
+    if let BenchCommand::Scale {
+        hosts,
+        pending,
+        runs,
+        window_secs,
+        replica_args,
+        plot,
+        phase,
+        dir,
+    } = command
+    {
+        let (text, json) = super::bench_scale::run(
+            super::bench_scale::Args {
+                hosts,
+                pending,
+                runs,
+                window: Duration::from_secs(window_secs),
+                replica_args: replica_args.split_whitespace().map(str::to_owned).collect(),
+                plot,
+                phase,
+                dir,
             },
             keep_data,
         )?;
@@ -626,6 +692,7 @@ fn run_on_cluster(
             | BenchCommand::StatusPage { .. }
             | BenchCommand::Memory { .. }
             | BenchCommand::Membership { .. }
+            | BenchCommand::Scale { .. }
             | BenchCommand::E2e { .. }
             | BenchCommand::Rollout { .. }
             | BenchCommand::Service { .. } => {

@@ -179,36 +179,8 @@ fn one_size(exe: &Path, dir: &Path, jobs: usize, args: &Args) -> anyhow::Result<
     );
 
     // 2. Three replicas restored from it.
-    let ports = free_ports(3)?;
-    let mut cluster = LocalCluster::new(exe, &["replica"], dir, CLUSTER, &ports);
-    cluster.extra_args = args.replica_args.clone();
-    for (flag, value) in STEADY_STATE_FLAGS {
-        if !cluster.extra_args.iter().any(|a| a == flag) {
-            cluster
-                .extra_args
-                .extend([flag.to_owned(), value.to_owned()]);
-        }
-    }
-    let members: std::collections::BTreeMap<u64, String> = ports
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (i as u64 + 1, format!("127.0.0.1:{p}")))
-        .collect();
-    let started = Instant::now();
-    let mut snapshot_bytes = 0;
-    for id in 1..=3u64 {
-        let data_dir = cluster.replicas[&id].data_dir.clone();
-        let restored = restore(&RestoreRequest {
-            backup: &backup,
-            data_dir: &data_dir,
-            replica_id: id,
-            cluster: CLUSTER,
-            members: &members,
-        })
-        .with_context(|| format!("restoring replica {id}"))?;
-        snapshot_bytes = restored.snapshot_bytes;
-    }
-    let restore_s = started.elapsed().as_secs_f64() / 3.0;
+    let (mut cluster, snapshot_bytes, restore_s) =
+        restored_cluster(exe, dir, &backup, &args.replica_args)?;
     std::fs::remove_file(&backup)?;
     cluster.start_all()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -227,10 +199,11 @@ fn one_size(exe: &Path, dir: &Path, jobs: usize, args: &Args) -> anyhow::Result<
     eprintln!("cluster snapshot save: {save}");
 
     // 4. The fourth replica.
-    let result = runtime.block_on(add_fourth(
+    let result = runtime.block_on(join_and_watch(
         &mut cluster,
         leader.leader,
         header.last_applied.index,
+        Joining::Added,
     ));
     let add = match result {
         Ok(add) => add,
@@ -266,9 +239,55 @@ fn one_size(exe: &Path, dir: &Path, jobs: usize, args: &Args) -> anyhow::Result<
     Ok(out)
 }
 
+/// Three replicas (mutual TLS, sled, loopback ports) restored from `backup` into data
+/// directories under `dir`, not started yet, with `STEADY_STATE_FLAGS` unless `replica_args`
+/// names them. Returns the cluster, the restored snapshot's size and the seconds one restore
+/// took (mean of three).
+pub(super) fn restored_cluster(
+    exe: &Path,
+    dir: &Path,
+    backup: &Path,
+    replica_args: &[String],
+) -> anyhow::Result<(LocalCluster, u64, f64)> {
+    let ports = free_ports(3)?;
+    let mut cluster = LocalCluster::new(exe, &["replica"], dir, CLUSTER, &ports);
+    cluster.extra_args = replica_args.to_vec();
+    for (flag, value) in STEADY_STATE_FLAGS {
+        if !cluster.extra_args.iter().any(|a| a == flag) {
+            cluster
+                .extra_args
+                .extend([flag.to_owned(), value.to_owned()]);
+        }
+    }
+    let members: std::collections::BTreeMap<u64, String> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64 + 1, format!("127.0.0.1:{p}")))
+        .collect();
+    let started = Instant::now();
+    let mut snapshot_bytes = 0;
+    for id in 1..=3u64 {
+        let data_dir = cluster.replicas[&id].data_dir.clone();
+        let restored = restore(&RestoreRequest {
+            backup,
+            data_dir: &data_dir,
+            replica_id: id,
+            cluster: CLUSTER,
+            members: &members,
+        })
+        .with_context(|| format!("restoring replica {id}"))?;
+        snapshot_bytes = restored.snapshot_bytes;
+    }
+    Ok((
+        cluster,
+        snapshot_bytes,
+        started.elapsed().as_secs_f64() / 3.0,
+    ))
+}
+
 /// Writes the state stored in `seed_dir` (the build phase's replica, id 1 of cluster
 /// `bench-memory`) as a backup file, as `cluster snapshot save` would.
-fn write_backup(seed_dir: &Path, path: &Path) -> anyhow::Result<BackupHeader> {
+pub(super) fn write_backup(seed_dir: &Path, path: &Path) -> anyhow::Result<BackupHeader> {
     let data_dir = DataDir::open(seed_dir, "bench-memory", 1)
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("opening the built state")?;
@@ -304,7 +323,7 @@ fn write_backup(seed_dir: &Path, path: &Path) -> anyhow::Result<BackupHeader> {
 }
 
 /// `gpuctl cluster snapshot save FILE` as an operator runs it: seconds and bytes.
-fn save_backup(
+pub(super) fn save_backup(
     cluster: &LocalCluster,
     exe: &Path,
     file: &Path,
@@ -340,25 +359,65 @@ struct Seen {
     status_misses: u64,
 }
 
-/// Starts replica 4, adds it, and measures (see the module header). `seeded` is the log index
-/// of the restored state: a learner that has applied it has installed the snapshot.
-async fn add_fourth(
+/// How the replica under watch comes to hold the state.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Joining {
+    /// A fourth, pristine replica, added through `AddReplica` (what `gpuctl cluster add` calls).
+    Added,
+    /// Follower `id` lost its disk: killed, its data directory deleted, removed from the
+    /// membership, and started again empty with `--join` through the leader (README's
+    /// operating notes; the chaos harness's wipe does the same). Times count from that start.
+    Wiped(u64),
+}
+
+/// Starts replica 4 and adds it, or wipes a follower and lets it join again (`how`), and
+/// measures (see the module header). `seeded` is the log index of the restored state: a
+/// learner that has applied it has installed the snapshot.
+pub(super) async fn join_and_watch(
     cluster: &mut LocalCluster,
     leader: u64,
     seeded: u64,
+    how: Joining,
 ) -> anyhow::Result<serde_json::Value> {
-    let port = free_ports(1)?[0];
-    let id = cluster.add_spare(port);
-    cluster.start(id, StartMode::Pristine)?;
-    let address = cluster.addr(id);
     let credentials = cluster.credentials()?;
     let leader_addr = cluster.addr(leader);
-    // Replica 4 serves its API once it listens.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while cluster.status(id).await.is_none() {
-        ensure!(Instant::now() < deadline, "replica {id} did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (id, t0) = match how {
+        Joining::Added => {
+            let port = free_ports(1)?[0];
+            let id = cluster.add_spare(port);
+            cluster.start(id, StartMode::Pristine)?;
+            // Replica 4 serves its API once it listens.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while cluster.status(id).await.is_none() {
+                ensure!(Instant::now() < deadline, "replica {id} did not start");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (id, Instant::now())
+        }
+        Joining::Wiped(id) => {
+            ensure!(id != leader, "the wiped replica must be a follower");
+            cluster.kill(id)?;
+            let dir = cluster.replicas[&id].data_dir.clone();
+            std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("wiping replica {id}'s data directory {dir:?}"))?;
+            let mut admin = Client::new(std::slice::from_ref(&leader_addr), &credentials)?;
+            admin.deadline = Duration::from_secs(120);
+            admin
+                .call(|mut c, t| async move {
+                    c.remove_replica(with_timeout(
+                        pb::RemoveReplicaRequest { id, force: false },
+                        t,
+                    ))
+                    .await
+                })
+                .await
+                .with_context(|| format!("removing wiped replica {id} from the membership"))?;
+            let t0 = Instant::now();
+            cluster.start(id, StartMode::Join(leader_addr.clone()))?;
+            (id, t0)
+        }
+    };
+    let address = cluster.addr(id);
     let pids = (
         cluster.replicas[&leader].pid().context("leader pid")?,
         cluster.replicas[&id].pid().context("learner pid")?,
@@ -366,7 +425,6 @@ async fn add_fourth(
 
     let seen = Arc::new(Mutex::new(Seen::default()));
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let t0 = Instant::now();
 
     // The samplers: status of learner and leader, and RSS.
     let sampler = {
@@ -463,27 +521,47 @@ async fn add_fourth(
             })
         })
     };
-    // A second of probe writes before the add, for a baseline.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-
-    let mut admin = Client::new(std::slice::from_ref(&leader_addr), &credentials)?;
-    admin.deadline = Duration::from_secs(3600);
-    admin.attempt_timeout = Duration::from_secs(3600);
-    admin.retry_deadline_exceeded = false;
-    let req = pb::AddReplicaRequest {
-        id,
-        address: address.clone(),
-        learner_only: false,
-        force: false,
+    let (called, answer, answered) = match how {
+        Joining::Added => {
+            // A second of probe writes before the add, for a baseline.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let mut admin = Client::new(std::slice::from_ref(&leader_addr), &credentials)?;
+            admin.deadline = Duration::from_secs(3600);
+            admin.attempt_timeout = Duration::from_secs(3600);
+            admin.retry_deadline_exceeded = false;
+            let req = pb::AddReplicaRequest {
+                id,
+                address: address.clone(),
+                learner_only: false,
+                force: false,
+            };
+            let called = t0.elapsed();
+            let answer = admin
+                .call(|mut c, t| {
+                    let req = req.clone();
+                    async move { c.add_replica(with_timeout(req, t)).await }
+                })
+                .await
+                .map(|_| ());
+            (called, answer, t0.elapsed())
+        }
+        Joining::Wiped(_) => {
+            // The replica adds itself; it is done when the leader lists it as a voter.
+            let deadline = Instant::now() + Duration::from_secs(3600);
+            let answer = loop {
+                if seen.lock().expect("samples").promoted.is_some() {
+                    break Ok(());
+                }
+                if Instant::now() >= deadline {
+                    break Err(tonic::Status::deadline_exceeded(
+                        "the wiped replica was not a voter within an hour",
+                    ));
+                }
+                tokio::time::sleep(SAMPLE).await;
+            };
+            (Duration::ZERO, answer, t0.elapsed())
+        }
     };
-    let called = t0.elapsed();
-    let answer = admin
-        .call(|mut c, t| {
-            let req = req.clone();
-            async move { c.add_replica(with_timeout(req, t)).await }
-        })
-        .await;
-    let answered = t0.elapsed();
     // The probe and samplers see a second more.
     tokio::time::sleep(Duration::from_secs(1)).await;
     done.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -522,7 +600,7 @@ async fn add_fourth(
 }
 
 /// A replica's status within 500 ms, or nothing.
-async fn quick_status(client: &Client) -> Option<pb::ClusterStatusResponse> {
+pub(super) async fn quick_status(client: &Client) -> Option<pb::ClusterStatusResponse> {
     let mut c = client.clone();
     c.deadline = Duration::from_millis(500);
     c.attempt_timeout = Duration::from_millis(500);
@@ -546,10 +624,10 @@ fn proc_status_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn vm_rss_kib(pid: u32) -> u64 {
+pub(super) fn vm_rss_kib(pid: u32) -> u64 {
     proc_status_kib(pid, "VmRSS:")
 }
 
-fn vm_hwm_kib(pid: u32) -> u64 {
+pub(super) fn vm_hwm_kib(pid: u32) -> u64 {
     proc_status_kib(pid, "VmHWM:")
 }

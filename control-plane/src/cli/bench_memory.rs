@@ -55,11 +55,11 @@ pub struct Args {
 /// The target for a replica at 10,000 hosts and 1,000,000 job records.
 const TARGET_RSS_MIB: f64 = 1024.0;
 /// Leader time of the first command (any fixed instant: apply never reads a clock).
-const START_MS: Timestamp = 1_767_225_600_000;
-const MINUTE_MS: u64 = 60_000;
+pub(super) const START_MS: Timestamp = 1_767_225_600_000;
+pub(super) const MINUTE_MS: u64 = 60_000;
 const HOUR_MS: u64 = 60 * MINUTE_MS;
 /// Placements per `Place` entry, as a leader batches a plan.
-const PLAN_BATCH: usize = 1000;
+pub(super) const PLAN_BATCH: usize = 1000;
 /// Entries handed to `apply` at once, as openraft hands over committed entries.
 const APPLY_BATCH: usize = 256;
 
@@ -216,16 +216,32 @@ fn text_report(j: &serde_json::Value) -> String {
 
 /// Runs this binary as `bench memory ARGS --output json` and returns its last stdout line.
 pub(super) fn child(exe: &Path, args: &[String]) -> anyhow::Result<serde_json::Value> {
+    bench_child(exe, "memory", args)
+}
+
+/// Runs `gpuctl bench BENCHMARK ARGS -o json` (a measuring phase in a process of its own) and
+/// returns the JSON of its last line.
+pub(super) fn bench_child(
+    exe: &Path,
+    benchmark: &str,
+    args: &[String],
+) -> anyhow::Result<serde_json::Value> {
     let out = Process::new(exe)
-        .args(["bench", "memory"])
+        .args(["bench", benchmark])
         .args(args)
         .args(["--output", "json"])
         .stderr(std::process::Stdio::inherit())
         .output()
-        .with_context(|| format!("running {} bench memory {}", exe.display(), args.join(" ")))?;
+        .with_context(|| {
+            format!(
+                "running {} bench {benchmark} {}",
+                exe.display(),
+                args.join(" ")
+            )
+        })?;
     ensure!(
         out.status.success(),
-        "bench memory {} failed ({})",
+        "bench {benchmark} {} failed ({})",
         args.join(" "),
         out.status
     );
@@ -252,7 +268,7 @@ fn dir_size(dir: &Path) -> anyhow::Result<u64> {
 }
 
 /// VmRSS and VmHWM of this process, in MiB.
-fn memory_mib() -> anyhow::Result<(f64, f64)> {
+pub(super) fn memory_mib() -> anyhow::Result<(f64, f64)> {
     let status =
         std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let field = |name: &str| -> anyhow::Result<f64> {
@@ -272,21 +288,40 @@ fn memory_mib() -> anyhow::Result<(f64, f64)> {
 
 /// Resets VmHWM to the current RSS (Linux: `clear_refs` 5), so that a later VmHWM is the peak
 /// of what follows. Returns whether it was reset.
-fn reset_hwm() -> bool {
+pub(super) fn reset_hwm() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
 /// Applies entries to the real state machine, as openraft does with committed entries.
-struct Applier {
-    sm: StateMachineStore,
-    runtime: tokio::runtime::Runtime,
+pub(super) struct Applier {
+    pub(super) sm: StateMachineStore,
+    pub(super) runtime: tokio::runtime::Runtime,
     index: u64,
     pending: Vec<Entry>,
-    entries: u64,
+    pub(super) entries: u64,
 }
 
 impl Applier {
-    fn push(&mut self, at: Timestamp, command: Command) -> anyhow::Result<()> {
+    /// A fresh replica data directory (replica 1 of cluster `bench-memory`, what
+    /// `bench_membership::write_backup` reads) and its state machine.
+    pub(super) fn create(dir: &Path) -> anyhow::Result<Self> {
+        let data_dir = DataDir::open(dir, "bench-memory", 1)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .context("opening the replica data directory")?;
+        let sm = StateMachineStore::open(&data_dir.db).map_err(|e| anyhow::anyhow!(e))?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        Ok(Applier {
+            sm,
+            runtime,
+            index: 0,
+            pending: Vec::new(),
+            entries: 0,
+        })
+    }
+
+    pub(super) fn push(&mut self, at: Timestamp, command: Command) -> anyhow::Result<()> {
         self.index += 1;
         self.pending.push(Entry {
             log_id: LogId::new(CommittedLeaderId::new(1, 1), self.index),
@@ -298,8 +333,123 @@ impl Applier {
         Ok(())
     }
 
+    /// Eight tenants (`t0`..`t7`, an eighth of the GPUs each as quota) and the hosts of
+    /// `fleet(hosts)`, registered; returns the hosts.
+    pub(super) fn register_fleet(
+        &mut self,
+        at: Timestamp,
+        hosts: usize,
+    ) -> anyhow::Result<Vec<NodeSpec>> {
+        let nodes = fleet(hosts)?;
+        let gpus: usize = nodes.iter().map(|n| n.gpus.len()).sum();
+        for t in 0..8 {
+            self.push(
+                at,
+                Command::PutTenant {
+                    tenant: Tenant {
+                        name: format!("t{t}"),
+                        weight: 1,
+                        quota_gpus: (gpus / 8) as u32,
+                        max_gpus: 0,
+                    },
+                },
+            )?;
+        }
+        for spec in &nodes {
+            self.push(at, Command::RegisterNode { spec: spec.clone() })?;
+        }
+        self.flush()?;
+        Ok(nodes)
+    }
+
+    /// Fills the free GPUs of `nodes` (all of them, host by host) with jobs `from..limit` of
+    /// the workload (`job`): submitted over five minutes, placed in plans of `PLAN_BATCH`, and
+    /// every task reported started a minute later. Returns how many jobs, their allocations and
+    /// the leader time after the starts.
+    pub(super) fn fill_fleet(
+        &mut self,
+        nodes: &[NodeSpec],
+        from: usize,
+        limit: usize,
+        at: Timestamp,
+    ) -> anyhow::Result<(usize, Vec<u64>, Timestamp)> {
+        let mut packer = Packer::new(nodes);
+        let mut wave: Vec<(usize, TaskPlacement)> = Vec::new();
+        while from + wave.len() < limit {
+            let i = from + wave.len();
+            let (spec, _) = job(i);
+            let Some(task) = packer.take(spec.gpus_per_task as usize) else {
+                break;
+            };
+            wave.push((i, task));
+        }
+        ensure!(!wave.is_empty(), "no job of the workload fits a host");
+        let jobs = wave
+            .into_iter()
+            .map(|(i, task)| {
+                let (spec, key) = job(i);
+                (spec, Some(key), task)
+            })
+            .collect();
+        self.run_jobs(jobs, at)
+    }
+
+    /// Submits `jobs` (one task each) over five minutes, places each on its task's GPUs in
+    /// plans of `PLAN_BATCH`, and reports every task started a minute later. Returns how many
+    /// jobs, their allocations and the leader time after the starts.
+    pub(super) fn run_jobs(
+        &mut self,
+        jobs: Vec<(JobSpec, Option<String>, TaskPlacement)>,
+        mut at: Timestamp,
+    ) -> anyhow::Result<(usize, Vec<u64>, Timestamp)> {
+        let count = jobs.len();
+        if count == 0 {
+            return Ok((0, Vec::new(), at));
+        }
+        let step = (5 * MINUTE_MS / count as u64).max(1);
+        let mut tasks = Vec::with_capacity(count);
+        for (n, (spec, key, task)) in jobs.into_iter().enumerate() {
+            self.push(at + n as u64 * step, Command::submit(spec, key))?;
+            tasks.push(task);
+        }
+        at += 5 * MINUTE_MS;
+        self.flush()?;
+        // Ids come from the log, one per accepted submission, in order.
+        let first_id = self.sm.read().cluster.last_job_id + 1 - count as u64;
+        // Plans of PLAN_BATCH jobs each, then every task's start report.
+        for (c, chunk) in tasks.chunks(PLAN_BATCH).enumerate() {
+            let placements = chunk
+                .iter()
+                .enumerate()
+                .map(|(k, task)| JobPlacement {
+                    job: first_id + (c * PLAN_BATCH + k) as u64,
+                    tasks: vec![task.clone()],
+                })
+                .collect();
+            self.push(
+                at,
+                Command::Place {
+                    term: 1,
+                    placements,
+                },
+            )?;
+        }
+        self.flush()?;
+        let allocations: Vec<u64> = {
+            let data = self.sm.read();
+            (0..count as u64)
+                .flat_map(|k| data.cluster.jobs[&(first_id + k)].allocations.clone())
+                .collect()
+        };
+        at += MINUTE_MS;
+        for &allocation in &allocations {
+            self.push(at, Command::AllocationStarted { allocation })?;
+        }
+        Ok((count, allocations, at))
+    }
+
     /// Applies what is queued and checks that nothing was refused.
-    fn flush(&mut self) -> anyhow::Result<Vec<Outcome>> {
+    pub(super) fn flush(&mut self) -> anyhow::Result<Vec<Outcome>> {
         let entries = std::mem::take(&mut self.pending);
         self.entries += entries.len() as u64;
         let mut sm = self.sm.clone();
@@ -321,7 +471,7 @@ impl Applier {
 }
 
 /// The fleet of `synthetic::fleet`: mostly DGX H100, a tenth DGX-1 V100, a tenth L40S hosts.
-fn fleet(hosts: usize) -> anyhow::Result<Vec<NodeSpec>> {
+pub(super) fn fleet(hosts: usize) -> anyhow::Result<Vec<NodeSpec>> {
     let templates = [
         crate::synthetic::node_from_preset(
             "dgx-h100",
@@ -366,7 +516,7 @@ fn fleet(hosts: usize) -> anyhow::Result<Vec<NodeSpec>> {
 
 /// Job `i` of the workload: whole GPUs on one host (1, 2, 4 or 8), a realistic command line,
 /// environment and idempotency key, as `gpuctl submit` sends them.
-fn job(i: usize) -> (JobSpec, String) {
+pub(super) fn job(i: usize) -> (JobSpec, String) {
     let gpus = [1, 1, 1, 2, 2, 4, 8, 1][i % 8];
     let mut spec = crate::synthetic::job_spec(
         i,
@@ -397,14 +547,22 @@ fn job(i: usize) -> (JobSpec, String) {
 }
 
 /// Packs whole-GPU tasks onto free GPUs, host by host.
-struct Packer<'a> {
+pub(super) struct Packer<'a> {
     nodes: &'a [NodeSpec],
     node: usize,
     next_gpu: usize,
 }
 
-impl Packer<'_> {
-    fn take(&mut self, gpus: usize) -> Option<TaskPlacement> {
+impl<'a> Packer<'a> {
+    pub(super) fn new(nodes: &'a [NodeSpec]) -> Self {
+        Packer {
+            nodes,
+            node: 0,
+            next_gpu: 0,
+        }
+    }
+
+    pub(super) fn take(&mut self, gpus: usize) -> Option<TaskPlacement> {
         while self.node < self.nodes.len() {
             let node = &self.nodes[self.node];
             if self.next_gpu + gpus <= node.gpus.len() {
@@ -432,104 +590,21 @@ fn build(
     jobs: usize,
     compaction: bool,
 ) -> anyhow::Result<serde_json::Value> {
-    let data_dir = DataDir::open(dir, "bench-memory", 1)
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context("opening the replica data directory")?;
-    let sm = StateMachineStore::open(&data_dir.db).map_err(|e| anyhow::anyhow!(e))?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let mut a = Applier {
-        sm,
-        runtime,
-        index: 0,
-        pending: Vec::new(),
-        entries: 0,
-    };
+    let mut a = Applier::create(dir)?;
     let retention = Defaults::job_retention();
     let started = Instant::now();
     let mut at = START_MS;
 
-    let nodes = fleet(hosts)?;
-    let gpus: usize = nodes.iter().map(|n| n.gpus.len()).sum();
-    for t in 0..8 {
-        a.push(
-            at,
-            Command::PutTenant {
-                tenant: Tenant {
-                    name: format!("t{t}"),
-                    weight: 1,
-                    quota_gpus: (gpus / 8) as u32,
-                    max_gpus: 0,
-                },
-            },
-        )?;
-    }
-    for spec in &nodes {
-        a.push(at, Command::RegisterNode { spec: spec.clone() })?;
-    }
-    a.flush()?;
+    let nodes = a.register_fleet(at, hosts)?;
 
     // Waves: fill the fleet with jobs, run them for about an hour, let them exit over the
     // next hour (compaction due-checks every minute meanwhile), then start the next wave.
     let mut submitted = 0usize;
     let mut last_compaction_check = at;
     while submitted < jobs {
-        let mut packer = Packer {
-            nodes: &nodes,
-            node: 0,
-            next_gpu: 0,
-        };
-        let mut wave: Vec<(usize, TaskPlacement)> = Vec::new();
-        while submitted + wave.len() < jobs {
-            let i = submitted + wave.len();
-            let (spec, _) = job(i);
-            let Some(task) = packer.take(spec.gpus_per_task as usize) else {
-                break;
-            };
-            wave.push((i, task));
-        }
-        ensure!(!wave.is_empty(), "no job of the workload fits a host");
-        let last_wave = submitted + wave.len() >= jobs;
-        // Submissions over five minutes.
-        let step = (5 * MINUTE_MS / wave.len() as u64).max(1);
-        for (n, (i, _)) in wave.iter().enumerate() {
-            let (spec, key) = job(*i);
-            a.push(at + n as u64 * step, Command::submit(spec, Some(key)))?;
-        }
-        at += 5 * MINUTE_MS;
-        a.flush()?;
-        // Ids come from the log, one per accepted submission, in order.
-        let first_id = a.sm.read().cluster.last_job_id + 1 - wave.len() as u64;
-        // Plans of PLAN_BATCH jobs each, then every task's start report.
-        for (c, chunk) in wave.chunks(PLAN_BATCH).enumerate() {
-            let placements = chunk
-                .iter()
-                .enumerate()
-                .map(|(k, (_, task))| JobPlacement {
-                    job: first_id + (c * PLAN_BATCH + k) as u64,
-                    tasks: vec![task.clone()],
-                })
-                .collect();
-            a.push(
-                at,
-                Command::Place {
-                    term: 1,
-                    placements,
-                },
-            )?;
-        }
-        a.flush()?;
-        let allocations: Vec<u64> = {
-            let data = a.sm.read();
-            (0..wave.len() as u64)
-                .flat_map(|k| data.cluster.jobs[&(first_id + k)].allocations.clone())
-                .collect()
-        };
-        at += MINUTE_MS;
-        for &allocation in &allocations {
-            a.push(at, Command::AllocationStarted { allocation })?;
-        }
+        let (wave, allocations, started_at) = a.fill_fleet(&nodes, submitted, jobs, at)?;
+        at = started_at;
+        let last_wave = submitted + wave >= jobs;
         if last_wave {
             break;
         }
@@ -570,7 +645,7 @@ fn build(
             }
         }
         at += HOUR_MS;
-        submitted += wave.len();
+        submitted += wave;
     }
     a.flush()?;
     let apply_seconds = started.elapsed().as_secs_f64();

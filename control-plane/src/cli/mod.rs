@@ -18,6 +18,8 @@ mod bench_membership;
 mod bench_memory;
 mod bench_placement;
 mod bench_rollout;
+mod bench_scale;
+mod bench_scale_plot;
 mod bench_scheduler;
 mod bench_service;
 mod bench_slurm;

@@ -35,9 +35,10 @@ impl Defaults {
     /// Heartbeats every 40 ms; elections after 90–150 ms. openraft adds a leader lease equal
     /// to the maximum election timeout before a follower of a live leader may campaign, so a
     /// follower waits 240–300 ms (6–7 missed heartbeats) after the last one, plus up to one
-    /// tick (60 ms): a dead leader is replaced in about a third of a second (p50 314 ms, first
-    /// new placement 329 ms over 20 kills, `gpuctl bench failover`), while shorter stalls of a
-    /// loaded 2-core host (fsync, CPU) do not trigger elections.
+    /// tick (10 ms, a quarter of the heartbeat; openraft's own was 60 ms): a dead leader is
+    /// replaced in under a third of a second (p50 278–287 ms, first new placement 309–325 ms
+    /// over 50 kills, `gpuctl bench failover`), while shorter stalls of a loaded 2-core host
+    /// (fsync, CPU) do not trigger elections.
     pub const HEARTBEAT_MS: u64 = 40;
     /// How long the leader waits for a follower to accept an AppendEntries that carries
     /// entries (a heartbeat still gets one heartbeat interval). openraft 0.9 used the heartbeat

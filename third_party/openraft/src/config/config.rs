@@ -140,6 +140,14 @@ pub struct Config {
     #[clap(long, default_value = "0")]
     pub append_entries_timeout: u64,
 
+    /// PATCHED: how often the core checks its timers (election timeout, next heartbeat), in
+    /// milliseconds. `0` (the default) means `heartbeat_interval * 3 / 2`, upstream's fixed
+    /// tick. An election starts at the first tick after the timeout has passed, and a leader
+    /// sends a heartbeat at the first tick after it is due, so a coarse tick adds up to a tick
+    /// to every failover and stretches the heartbeat interval to the tick.
+    #[clap(long, default_value = "0")]
+    pub tick_interval: u64,
+
     /// The timeout for sending a **non-last** snapshot segment, in milliseconds.
     ///
     /// It is disabled by default, by setting it to `0`.
@@ -261,6 +269,15 @@ impl Config {
     /// Generate a new random election timeout within the configured min & max.
     pub fn new_rand_election_timeout<RT: AsyncRuntime>(&self) -> u64 {
         RT::thread_rng().gen_range(self.election_timeout_min..self.election_timeout_max)
+    }
+
+    /// PATCHED: how often the core checks its timers.
+    pub fn tick_interval(&self) -> Duration {
+        if self.tick_interval == 0 {
+            Duration::from_millis(self.heartbeat_interval * 3 / 2)
+        } else {
+            Duration::from_millis(self.tick_interval)
+        }
     }
 
     /// Get the timeout for sending and installing the last snapshot segment.

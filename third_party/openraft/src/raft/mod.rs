@@ -246,8 +246,9 @@ where C: RaftTypeConfig
         let (tx_server_metrics, rx_server_metrics) = watch::channel(RaftServerMetrics::default());
         let (tx_shutdown, rx_shutdown) = C::AsyncRuntime::oneshot();
 
+        // PATCHED: the tick is configurable (`Config::tick_interval`).
         let tick_handle = Tick::spawn(
-            Duration::from_millis(config.heartbeat_interval * 3 / 2),
+            config.tick_interval(),
             tx_notify.clone(),
             config.enable_tick,
         );

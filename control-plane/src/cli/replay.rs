@@ -82,9 +82,10 @@ pub struct ReplayArgs {
 fn scoring(name: &str) -> anyhow::Result<ScorePolicy> {
     Ok(match name {
         "fgd" => ScorePolicy::Fgd,
+        "fgd-la" | "fgd-lookahead" => ScorePolicy::FgdLookahead,
         "best-fit" | "bestfit" => ScorePolicy::BestFit,
         "random-fit" | "random" => ScorePolicy::RandomFit { seed: 1 },
-        other => anyhow::bail!("unknown policy {other:?}: fgd, best-fit or random-fit"),
+        other => anyhow::bail!("unknown policy {other:?}: fgd, fgd-la, best-fit or random-fit"),
     })
 }
 

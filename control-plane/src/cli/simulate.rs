@@ -21,6 +21,9 @@ pub enum SimulateCommand {
     /// Fragmentation experiment of the FGD paper (USENIX ATC '23): allocated GPU share as tasks
     /// sampled from a pod list arrive, per placement policy, averaged over seeds.
     Fragmentation(FragmentationArgs),
+    /// Write a variant of a pod list with another mix of task kinds (more GPU sharing,
+    /// multi-GPU, model-constrained or CPU-only tasks), seeded, for `simulate fragmentation`.
+    SynthPods(SynthPodsArgs),
     /// Time-based replay through the state machine and scheduler: queueing delay, job
     /// completion time, GPU utilization and unallocatable share, with and without backfill.
     Replay(super::replay::ReplayArgs),
@@ -46,6 +49,31 @@ pub struct ClusterArgs {
 }
 
 #[derive(clap::Args)]
+pub struct SynthPodsArgs {
+    /// Source pod list CSV, e.g. the trace's `openb_pod_list_default.csv`.
+    #[arg(long, value_name = "PODS.csv")]
+    pub pods: PathBuf,
+    /// Node list CSV of the cluster the variant is for (the models constrained tasks name).
+    #[arg(long, value_name = "NODES.csv")]
+    pub nodes: PathBuf,
+    /// Which kind of task to have more of: sharing, multi-gpu, constrained, cpu-heavy.
+    #[arg(long)]
+    pub mix: crate::sim::synth::Mix,
+    /// Its proportion, in percent (sharing, multi-gpu, constrained: of the GPU tasks;
+    /// cpu-heavy: of all tasks); default 60, 20, 33, 30.
+    #[arg(long, value_name = "PERCENT")]
+    pub fraction: Option<f64>,
+    /// Tasks to write (default: as many as the source list has).
+    #[arg(long)]
+    pub tasks: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Output CSV file.
+    #[arg(long, value_name = "OUT.csv")]
+    pub out: PathBuf,
+}
+
+#[derive(clap::Args)]
 pub struct FragmentationArgs {
     /// Node list CSV (`sn,cpu_milli,memory_mib,gpu,model`), e.g. the trace's
     /// `openb_node_list_gpu_node.csv`.
@@ -60,8 +88,12 @@ pub struct FragmentationArgs {
     pub seeds: u64,
     #[arg(long, default_value_t = 42)]
     pub first_seed: u64,
-    /// Placement policies to compare, comma-separated: random-fit, best-fit, fgd.
-    #[arg(long, value_delimiter = ',', default_value = "random-fit,best-fit,fgd")]
+    /// Placement policies to compare, comma-separated: random-fit, best-fit, fgd, fgd-la.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "random-fit,best-fit,fgd,fgd-la"
+    )]
     pub policies: Vec<ScorePolicy>,
     /// Tasks arrive until their GPU requests reach this percentage of GPU capacity.
     #[arg(long, default_value_t = 130, value_name = "PERCENT")]
@@ -84,6 +116,7 @@ pub struct FragmentationArgs {
 pub fn run(command: SimulateCommand, fmt: Format) -> anyhow::Result<()> {
     match command {
         SimulateCommand::Fragmentation(args) => fragmentation(args, fmt),
+        SimulateCommand::SynthPods(args) => synth_pods(args, fmt),
         SimulateCommand::Replay(args) => super::replay::run(args, fmt),
         SimulateCommand::Cluster(args) => cluster(args, fmt),
     }
@@ -187,6 +220,49 @@ fn cluster(args: ClusterArgs, fmt: Format) -> anyhow::Result<()> {
         "{} seed(s) violated invariants; rerun one with `gpuctl simulate cluster --seed N`",
         failed.len()
     );
+    Ok(())
+}
+
+fn synth_pods(args: SynthPodsArgs, fmt: Format) -> anyhow::Result<()> {
+    let nodes = trace::load_nodes(&args.nodes)?;
+    let pods = trace::load_pods(&args.pods)?;
+    let tasks = args.tasks.unwrap_or(pods.len());
+    let out = crate::sim::synth::synthesize(
+        &pods,
+        &nodes,
+        args.mix,
+        args.fraction.map(|f| f / 100.0),
+        tasks,
+        args.seed,
+    )?;
+    std::fs::write(&args.out, crate::sim::synth::to_csv(&out))
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    let gpu = out.iter().filter(|p| p.num_gpu > 0).count().max(1) as f64;
+    let share = |f: &dyn Fn(&trace::TracePod) -> bool| out.iter().filter(|p| f(p)).count() as f64;
+    let v = json!({
+        "out": args.out.display().to_string(),
+        "mix": args.mix.name(),
+        "seed": args.seed,
+        "tasks": out.len(),
+        "cpu_only_pct": (1000.0 * share(&|p| p.num_gpu == 0) / out.len().max(1) as f64).round() / 10.0,
+        "sharing_pct_of_gpu_tasks": (1000.0 * share(&|p| p.num_gpu == 1 && p.gpu_milli < 1000) / gpu).round() / 10.0,
+        "multi_gpu_pct_of_gpu_tasks": (1000.0 * share(&|p| p.num_gpu > 1) / gpu).round() / 10.0,
+        "constrained_pct_of_gpu_tasks": (1000.0 * share(&|p| !p.gpu_spec.is_empty()) / gpu).round() / 10.0,
+    });
+    match fmt {
+        Format::Json | Format::Yaml => println!("{v}"),
+        Format::Table | Format::Wide => println!(
+            "wrote {} tasks ({} mix, seed {}) to {}: CPU-only {}% of tasks; of GPU tasks: sharing {}%, multi-GPU {}%, one model {}%",
+            v["tasks"],
+            v["mix"].as_str().unwrap_or(""),
+            args.seed,
+            args.out.display(),
+            v["cpu_only_pct"],
+            v["sharing_pct_of_gpu_tasks"],
+            v["multi_gpu_pct_of_gpu_tasks"],
+            v["constrained_pct_of_gpu_tasks"]
+        ),
+    }
     Ok(())
 }
 

@@ -126,6 +126,7 @@ fn run(input: &[u8], features: &mut Features) -> Result<(), String> {
             ScorePolicy::RandomFit { seed: 0 },
             ScorePolicy::BestFit,
             ScorePolicy::Fgd,
+            ScorePolicy::FgdLookahead,
         ],
         max_tasks: Some(64),
         threads: 1,

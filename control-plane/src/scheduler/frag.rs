@@ -53,6 +53,20 @@ pub struct Workload {
     types: Vec<TaskType>,
     /// Each type's weight in fixed point (units of 2^-32), what `fragmentation` sums with.
     units: Vec<u64>,
+    /// CPU milli the workload's GPU tasks ask per GPU milli (ratio of the frequency-weighted
+    /// sums; 0 without GPU types): what filling a node's free GPUs will cost in CPU, the
+    /// look-ahead of [`stranded`].
+    cpu_per_gpu_milli: f64,
+    /// Memory MiB per GPU milli, likewise.
+    mem_per_gpu_milli: f64,
+    /// GPU milli of a GPU task, on average.
+    gpu_milli_per_task: f64,
+    /// Variance of a GPU task's CPU beyond its GPU share at the mean ratio,
+    /// `E[(cpu − ratio × gpu milli)²]`: how far the CPU that fills a node's GPUs strays from
+    /// the ratio.
+    cpu_residual_var: f64,
+    /// Likewise for memory.
+    mem_residual_var: f64,
 }
 
 /// Fixed-point scale of the weights in `fragmentation`.
@@ -116,7 +130,45 @@ impl Workload {
             .iter()
             .map(|t| (t.weight * WEIGHT_SCALE).round() as u64)
             .collect();
-        Workload { types, units }
+        let (mut cpu, mut mem, mut gpu) = (0.0, 0.0, 0.0);
+        // GPU task types only: CPU-only tasks take no GPU, and where they go is the policy's
+        // choice (the look-ahead steers them to nodes with CPU to spare).
+        let gpu_types = || types.iter().filter(|t| t.gpus > 0 && t.milli_per_gpu > 0);
+        for t in gpu_types() {
+            let g = f64::from(t.gpus) * f64::from(t.milli_per_gpu);
+            cpu += t.weight * t.cpu_milli as f64;
+            mem += t.weight * t.memory_mib as f64;
+            gpu += t.weight * g;
+        }
+        let per_gpu = |x: f64| if gpu > 0.0 { x / gpu } else { 0.0 };
+        let (rc, rm) = (per_gpu(cpu), per_gpu(mem));
+        let (mut vc, mut vm, mut wsum) = (0.0, 0.0, 0.0);
+        for t in gpu_types() {
+            let g = f64::from(t.gpus) * f64::from(t.milli_per_gpu);
+            vc += t.weight * (t.cpu_milli as f64 - rc * g).powi(2);
+            vm += t.weight * (t.memory_mib as f64 - rm * g).powi(2);
+            wsum += t.weight;
+        }
+        let per_task = |x: f64| if wsum > 0.0 { x / wsum } else { 0.0 };
+        Workload {
+            types,
+            units,
+            cpu_per_gpu_milli: rc,
+            mem_per_gpu_milli: rm,
+            gpu_milli_per_task: per_task(gpu),
+            cpu_residual_var: per_task(vc),
+            mem_residual_var: per_task(vm),
+        }
+    }
+
+    /// CPU milli the workload's GPU tasks ask per GPU milli (0 without GPU types).
+    pub fn cpu_per_gpu_milli(&self) -> f64 {
+        self.cpu_per_gpu_milli
+    }
+
+    /// Memory MiB the workload's GPU tasks ask per GPU milli (0 without GPU types).
+    pub fn mem_per_gpu_milli(&self) -> f64 {
+        self.mem_per_gpu_milli
     }
 
     /// The most frequent types that together make up at least `coverage` (0..=1) of the tasks,
@@ -257,6 +309,86 @@ pub fn fragmentation(node: &NodeResources, workload: &Workload) -> f64 {
     }
     // Exact below 2^53, i.e. for nodes with less than about two million free milli.
     frag as f64 / WEIGHT_SCALE
+}
+
+/// Free GPU milli on `node` that the workload's GPU tasks are expected to leave unused for
+/// want of CPU or memory: a look-ahead over the arrival distribution where FGD's measure only
+/// asks whether the *next* task fits.
+///
+/// Filling the node's `T` free GPU milli takes about `n = T / ḡ` tasks (`ḡ`: the workload's
+/// mean GPU milli per task), which ask for CPU `D ≈ ρT + ε`: `ρ` the workload's CPU per GPU
+/// milli, `ε` the sum of the `n` tasks' residuals `cpu − ρ·gpu` (mean 0, variance `n·σ²`,
+/// taken as normal). The CPU short of that, `E[max(0, D − C)]` for `C` free CPU, strands
+/// `E[max(0, D − C)] / ρ` GPU milli. Likewise for memory; the larger of the two counts, at
+/// most `T`. No constant is chosen: `ρ`, `ḡ` and `σ²` are the workload's. 0 for a workload
+/// without GPU types.
+pub fn stranded(node: &NodeResources, workload: &Workload) -> f64 {
+    let total = node.free_gpu_milli();
+    if total == 0 || workload.gpu_milli_per_task <= 0.0 {
+        return 0.0;
+    }
+    let t = total as f64;
+    let n = t / workload.gpu_milli_per_task;
+    let short = |free: u64, ratio: f64, var: f64| -> f64 {
+        if ratio <= 0.0 {
+            return 0.0;
+        }
+        let mean = ratio * t - free as f64;
+        let sd = (n * var).sqrt();
+        expected_positive_part(mean, sd) / ratio
+    };
+    let s = short(
+        node.cpu_milli,
+        workload.cpu_per_gpu_milli,
+        workload.cpu_residual_var,
+    )
+    .max(short(
+        node.memory_mib,
+        workload.mem_per_gpu_milli,
+        workload.mem_residual_var,
+    ));
+    s.min(t)
+}
+
+/// `E[max(0, X)]` for `X ~ N(mean, sd²)` (`max(0, mean)` when `sd` is 0).
+fn expected_positive_part(mean: f64, sd: f64) -> f64 {
+    if sd <= 0.0 {
+        return mean.max(0.0);
+    }
+    let z = mean / sd;
+    let pdf = (-0.5 * z * z).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    mean * normal_cdf(z) + sd * pdf
+}
+
+/// The standard normal CDF, through `erfc` (W. J. Cody's rational Chebyshev approximation as
+/// in Numerical Recipes' `erfcc`, relative error below 1.2e-7).
+fn normal_cdf(z: f64) -> f64 {
+    let x = -z / std::f64::consts::SQRT_2;
+    let a = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * a);
+    let y = t
+        * (-a * a - 1.265_512_23
+            + t * (1.000_023_68
+                + t * (0.374_091_96
+                    + t * (0.096_784_18
+                        + t * (-0.186_288_06
+                            + t * (0.278_868_07
+                                + t * (-1.135_203_98
+                                    + t * (1.488_515_87
+                                        + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+            .exp();
+    let erfc = if x >= 0.0 { y } else { 2.0 - y };
+    0.5 * erfc
+}
+
+/// FGD's expected fragmentation ([`fragmentation`]) with the look-ahead of [`stranded`]: the
+/// larger of the two estimates of the free GPU milli that will go unused, the milli the next
+/// task could not use and the milli the node's CPU (memory) will not stretch to. Equals
+/// `fragmentation` wherever CPU and memory are not the binding constraint, so FGD's gradient
+/// is left alone there; where they are, placements that use up CPU without GPUs (or with few
+/// GPU milli for their CPU) cost what they will strand.
+pub fn lookahead_fragmentation(node: &NodeResources, workload: &Workload) -> f64 {
+    fragmentation(node, workload).max(stranded(node, workload))
 }
 
 #[cfg(test)]
@@ -412,6 +544,70 @@ mod tests {
         let v = Workload::from_weighted([(x, 3.0), (z, 1.0), (z, 0.0), (z, -5.0)]);
         assert_eq!(v.types()[0].weight, 0.75);
         assert_eq!(v.types()[1].weight, 0.25);
+    }
+
+    #[test]
+    fn workload_ratios_come_from_its_gpu_types() {
+        // Two GPU types: 1 GPU / 8 CPUs and a share of 500 / 2 CPUs, equally frequent; and a
+        // CPU-only type that does not count.
+        let w = Workload::from_demands([
+            demand(8_000, 4_096, 1, 1000),
+            demand(2_000, 1_024, 1, 500),
+            demand(30_000, 1_024, 0, 0),
+        ]);
+        // (8000 + 2000) CPU per (1000 + 500) GPU milli.
+        assert!((w.cpu_per_gpu_milli() - 10_000.0 / 1_500.0).abs() < 1e-9);
+        assert!((w.mem_per_gpu_milli() - 5_120.0 / 1_500.0).abs() < 1e-9);
+        assert_eq!(Workload::default().cpu_per_gpu_milli(), 0.0);
+        assert_eq!(
+            Workload::from_demands([demand(1_000, 1, 0, 0)]).cpu_per_gpu_milli(),
+            0.0
+        );
+    }
+
+    #[test]
+    fn stranded_forecasts_gpus_the_cpu_will_not_stretch_to() {
+        // Every GPU task: one whole GPU with 8 CPUs (no spread: the forecast is exact).
+        let w = single(demand(8_000, 1_024, 1, 1000));
+        let gpus = [1000, 1000, 1000, 1000];
+        // 32 CPUs feed all four GPUs; 20 CPUs feed 2.5 of them: 1500 milli stranded.
+        assert_eq!(stranded(&node(32_000, 65_536, &gpus), &w), 0.0);
+        assert!((stranded(&node(20_000, 65_536, &gpus), &w) - 1_500.0).abs() < 1e-6);
+        // Memory counts too, and the forecast never exceeds the free milli.
+        assert!((stranded(&node(32_000, 2_048, &gpus), &w) - 2_000.0).abs() < 1e-6);
+        assert_eq!(stranded(&node(0, 0, &gpus), &w), 4_000.0);
+        assert_eq!(stranded(&node(0, 0, &[0, 0]), &w), 0.0);
+        assert_eq!(stranded(&node(0, 0, &gpus), &Workload::default()), 0.0);
+        // With a spread of CPU per task, a node with just enough CPU on average still expects
+        // some shortfall, and more CPU means less.
+        let spread = Workload::from_demands([
+            demand(4_000, 1_024, 1, 1000),
+            demand(12_000, 1_024, 1, 1000),
+        ]);
+        let tight = stranded(&node(32_000, 65_536, &gpus), &spread);
+        let roomy = stranded(&node(48_000, 65_536, &gpus), &spread);
+        assert!(tight > 100.0 && tight < 1_000.0, "{tight}");
+        assert!(roomy < tight && roomy >= 0.0, "{roomy}");
+    }
+
+    #[test]
+    fn lookahead_fragmentation_is_fgd_unless_cpu_binds() {
+        let w = single(demand(8_000, 1_024, 1, 1000));
+        let gpus = [1000, 1000, 500, 0];
+        // Enough CPU: FGD's 500 (the half GPU a whole-GPU task cannot use).
+        let roomy = node(64_000, 65_536, &gpus);
+        assert_eq!(
+            lookahead_fragmentation(&roomy, &w),
+            fragmentation(&roomy, &w)
+        );
+        assert_eq!(fragmentation(&roomy, &w), 500.0);
+        // 10 CPUs for 2500 free milli: 1250 stranded, more than FGD's 500.
+        let tight = node(10_000, 65_536, &gpus);
+        assert_eq!(fragmentation(&tight, &w), 500.0);
+        assert!((lookahead_fragmentation(&tight, &w) - 1_250.0).abs() < 1e-6);
+        assert!((normal_cdf(0.0) - 0.5).abs() < 1e-7);
+        assert!((normal_cdf(1.96) - 0.975).abs() < 1e-4);
+        assert!((expected_positive_part(0.0, 1.0) - 0.398_942_28).abs() < 1e-6);
     }
 
     #[test]

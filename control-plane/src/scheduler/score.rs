@@ -22,7 +22,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::frag::{Workload, fragmentation};
+use super::frag::{Workload, fragmentation, lookahead_fragmentation};
 
 /// Milli of one whole GPU.
 pub const FULL_GPU_MILLI: u32 = 1000;
@@ -122,6 +122,11 @@ pub enum ScorePolicy {
     /// Smallest increase of the node's expected fragmentation under the target workload. A
     /// share goes to the GPU whose choice increases fragmentation least.
     Fgd,
+    /// FGD whose measure also looks ahead at CPU and memory: a node's loss is the larger of
+    /// FGD's expected fragmentation and the free GPU milli that the workload's tasks are
+    /// expected to strand by using up the node's CPU (memory) at the workload's own CPU per
+    /// GPU ratio ([`super::frag::lookahead_fragmentation`]). Graded as FGD.
+    FgdLookahead,
 }
 
 /// The node scale scores are graded on: integer points from 0 (worst) to 100 (best), as
@@ -157,13 +162,14 @@ pub fn fgd_score(delta: f64) -> f64 {
 
 impl ScorePolicy {
     /// Names accepted by `FromStr` and printed by `name()`.
-    pub const NAMES: [&'static str; 3] = ["random-fit", "best-fit", "fgd"];
+    pub const NAMES: [&'static str; 4] = ["random-fit", "best-fit", "fgd", "fgd-la"];
 
     pub fn name(&self) -> &'static str {
         match self {
             ScorePolicy::RandomFit { .. } => "random-fit",
             ScorePolicy::BestFit => "best-fit",
             ScorePolicy::Fgd => "fgd",
+            ScorePolicy::FgdLookahead => "fgd-la",
         }
     }
 
@@ -182,18 +188,20 @@ impl fmt::Display for ScorePolicy {
 
 /// Error of `ScorePolicy::from_str`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown placement policy `{0}` (expected one of: random-fit, best-fit, fgd)")]
+#[error("unknown placement policy `{0}` (expected one of: random-fit, best-fit, fgd, fgd-la)")]
 pub struct UnknownPolicy(pub String);
 
 impl FromStr for ScorePolicy {
     type Err = UnknownPolicy;
 
-    /// `random-fit` (seed 0; set the seed afterwards), `best-fit`, `fgd`; case-insensitive.
+    /// `random-fit` (seed 0; set the seed afterwards), `best-fit`, `fgd`, `fgd-la`;
+    /// case-insensitive.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().as_str() {
             "random-fit" | "random" => Ok(ScorePolicy::RandomFit { seed: 0 }),
             "best-fit" | "bestfit" => Ok(ScorePolicy::BestFit),
             "fgd" => Ok(ScorePolicy::Fgd),
+            "fgd-la" | "fgd-lookahead" => Ok(ScorePolicy::FgdLookahead),
             _ => Err(UnknownPolicy(s.to_owned())),
         }
     }
@@ -294,31 +302,42 @@ fn score_and_pick(
             let cpu_after = node.cpu_milli - demand.cpu_milli;
             Some((best_fit_score(gpu_after, cpu_after), pick))
         }
-        ScorePolicy::Fgd => {
-            let before = fragmentation(node, workload);
-            if demand.is_share() {
-                // Each distinct free value is one option (equal GPUs leave equal states); the
-                // lowest position of the best value wins.
-                let need = demand.milli_needed();
-                let mut best: Option<(f64, usize)> = None;
-                for (i, &m) in node.gpu_milli.iter().enumerate() {
-                    if m < need || node.gpu_milli[..i].contains(&m) {
-                        continue;
-                    }
-                    let after =
-                        with_taken(node, demand, Pick::One(i), |n| fragmentation(n, workload));
-                    let score = fgd_score(after - before);
-                    if best.is_none_or(|(b, _)| score < b) {
-                        best = Some((score, i));
-                    }
-                }
-                best.map(|(s, i)| (s, Pick::One(i)))
-            } else {
-                let pick = default_pick(demand);
-                let after = with_taken(node, demand, pick, |n| fragmentation(n, workload));
-                Some((fgd_score(after - before), pick))
+        ScorePolicy::Fgd => Some(fgd_choice(node, demand, workload, fragmentation)),
+        ScorePolicy::FgdLookahead => {
+            Some(fgd_choice(node, demand, workload, lookahead_fragmentation))
+        }
+    }
+}
+
+/// FGD's choice on a node where `demand` fits, under the fragmentation measure `measure`.
+fn fgd_choice(
+    node: &NodeResources,
+    demand: &Demand,
+    workload: &Workload,
+    measure: fn(&NodeResources, &Workload) -> f64,
+) -> (f64, Pick) {
+    let before = measure(node, workload);
+    if demand.is_share() {
+        // Each distinct free value is one option (equal GPUs leave equal states); the lowest
+        // position of the best value wins.
+        let need = demand.milli_needed();
+        let mut best: Option<(f64, usize)> = None;
+        for (i, &m) in node.gpu_milli.iter().enumerate() {
+            if m < need || node.gpu_milli[..i].contains(&m) {
+                continue;
+            }
+            let after = with_taken(node, demand, Pick::One(i), |n| measure(n, workload));
+            let score = fgd_score(after - before);
+            if best.is_none_or(|(b, _)| score < b) {
+                best = Some((score, i));
             }
         }
+        let (s, i) = best.expect("the share fits, so some GPU has room");
+        (s, Pick::One(i))
+    } else {
+        let pick = default_pick(demand);
+        let after = with_taken(node, demand, pick, |n| measure(n, workload));
+        (fgd_score(after - before), pick)
     }
 }
 
@@ -623,6 +642,49 @@ mod tests {
         // Its score on the GPU node: 2000 milli become unusable: -trunc(100 × sigmoid(-2)).
         let s = evaluate_score(&ScorePolicy::Fgd, &nodes[0], &cpu_task, &w, 0).unwrap();
         assert_eq!(s, -11.0);
+    }
+
+    #[test]
+    fn fgd_lookahead_keeps_cpu_where_gpus_will_need_it() {
+        // Workload: whole GPUs with 8 CPUs each (8 CPUs per GPU), and a CPU-only task for every
+        // three of them (which counts a quarter of all free GPU milli as fragmented).
+        let gpu = demand(8_000, 1_024, 1, 1000);
+        let w = Workload::from_demands([gpu, gpu, gpu, demand(8_000, 1_024, 0, 0)]);
+        // A node a little short of CPU (4 GPUs, 30 CPUs: 250 milli stranded, less than the
+        // 1000 FGD counts) and a CPU-rich one (2 GPUs, 64 CPUs).
+        let four = [1000; 4];
+        let two = [1000; 2];
+        let nodes = [
+            node(30_000, 65_536, "T4", &four),
+            node(64_000, 65_536, "T4", &two),
+        ];
+        // An 8-CPU CPU-only task leaves both nodes able to run every task next, so plain FGD
+        // sees no difference and takes the first; the look-ahead sees that the first would be
+        // left 22 CPUs for 4 GPUs that need 32 (1250 milli stranded, more than FGD's 1000):
+        // Δ +250 there, 0 on the CPU-rich node, which it takes.
+        let cpu_task = demand(8_000, 1_024, 0, 0);
+        assert_eq!(pick(&ScorePolicy::Fgd, &nodes, &cpu_task, &w, 0), Some(0));
+        assert_eq!(
+            pick(&ScorePolicy::FgdLookahead, &nodes, &cpu_task, &w, 0),
+            Some(1)
+        );
+        assert_eq!(
+            evaluate_score(&ScorePolicy::FgdLookahead, &nodes[0], &cpu_task, &w, 0),
+            Some(fgd_score(250.0))
+        );
+        // GPU tasks are placed as FGD places them where CPU is not short.
+        let gpu_task = gpu;
+        for n in &nodes {
+            assert_eq!(
+                evaluate(&ScorePolicy::Fgd, n, &gpu_task, &w, 0),
+                evaluate(&ScorePolicy::FgdLookahead, n, &gpu_task, &w, 0)
+            );
+        }
+        assert_eq!(
+            "fgd-la".parse::<ScorePolicy>(),
+            Ok(ScorePolicy::FgdLookahead)
+        );
+        assert!(ScorePolicy::FgdLookahead.is_deterministic());
     }
 
     #[test]

@@ -55,6 +55,7 @@ impl Default for Config {
                 ScorePolicy::RandomFit { seed: 0 },
                 ScorePolicy::BestFit,
                 ScorePolicy::Fgd,
+                ScorePolicy::FgdLookahead,
             ],
             arrivals_pct: 130,
             workload_coverage: 0.95,

@@ -6,6 +6,8 @@
 //!   GPU capacity is requested; how much of the capacity each policy manages to allocate. It
 //!   drives `scheduler::score` directly, the scoring `plan()` uses.
 //! - `svg`: the allocation curves as a plain SVG plot.
+//! - `synth`: variants of a pod list with another mix of task kinds (more sharing, multi-GPU,
+//!   model-constrained or CPU-only tasks), to check a placement policy beyond one trace.
 //! - `replay`, `workload`, `replay_svg`: a time-based replay through the real state machine
 //!   and `plan_with` (arrivals, durations, time limits, priorities, tenants, gangs,
 //!   dependencies), with a synthetic workload generator, and its plot.
@@ -24,6 +26,7 @@ pub mod las;
 pub mod replay;
 pub mod replay_svg;
 pub mod svg;
+pub mod synth;
 #[cfg(test)]
 mod test_fleet;
 pub mod trace;

@@ -144,6 +144,7 @@ impl RunResult {
 pub fn policy_name(p: &ScorePolicy) -> &'static str {
     match p {
         ScorePolicy::Fgd => "fgd",
+        ScorePolicy::FgdLookahead => "fgd-la",
         ScorePolicy::BestFit => "best-fit",
         ScorePolicy::RandomFit { .. } => "random-fit",
     }

@@ -2,8 +2,14 @@
 //! order; values are JSON-encoded entries. The vote, the commit index and the last purged log
 //! id live in the `raft_meta` tree.
 //!
-//! Durability: `append`, `save_vote` and `truncate` flush sled (one fsync) before they report
-//! success; openraft acknowledges a client write only after a majority has done so.
+//! Durability: `save_vote` and `truncate` flush sled (one fsync) before they return; `append`
+//! writes the entries (readable at once) and reports them durable through openraft's callback
+//! only once a flush that covers them has finished. The flushes of appends run on one thread
+//! of their own, in order, each covering every append queued before it started (so appends
+//! that arrive during a sync share the next one). openraft acknowledges a client write only
+//! after a majority has reported its entry durable; a follower waits for the callback before
+//! it answers its leader, and the leader replicates meanwhile (`third_party/openraft`,
+//! PATCHED 7).
 
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
@@ -38,6 +44,28 @@ pub struct LogStore {
     first_kept: Arc<AtomicU64>,
     /// Where each flush's duration goes (`metrics`); none when metrics are off.
     flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+    /// The thread that flushes appended entries and reports them durable, in order; started
+    /// by the first append (after `with_flush_histogram`).
+    flusher: Arc<std::sync::OnceLock<Option<std::sync::mpsc::Sender<LogFlushed<TypeConfig>>>>>,
+}
+
+/// Records one flush's duration, and says so in the log when the disk was slow.
+fn observe_flush(
+    histogram: Option<&prometheus_client::metrics::histogram::Histogram>,
+    took: std::time::Duration,
+) {
+    if let Some(h) = histogram {
+        h.observe(took.as_secs_f64());
+    }
+    if took >= SLOW_FLUSH {
+        // A follower waits for this flush before it answers the leader, who gives up on a
+        // replication call after one heartbeat interval: a disk this slow shows up as
+        // replication timeouts and, if it lasts, elections.
+        tracing::info!(
+            flush_ms = took.as_millis() as u64,
+            "slow log flush: the disk took this long to sync the Raft log"
+        );
+    }
 }
 
 fn key(index: u64) -> [u8; 8] {
@@ -68,6 +96,7 @@ impl LogStore {
             committed_index: Arc::new(AtomicU64::new(0)),
             first_kept: Arc::new(AtomicU64::new(first_kept)),
             flush_latency: None,
+            flusher: Arc::new(std::sync::OnceLock::new()),
         };
         Ok(store)
     }
@@ -151,20 +180,50 @@ impl LogStore {
             Ok(flushed) => flushed.map(|_| ()).map_err(std::io::Error::other),
             Err(e) => Err(std::io::Error::other(format!("the flush task failed: {e}"))),
         };
-        let took = started.elapsed();
-        if let Some(h) = &self.flush_latency {
-            h.observe(took.as_secs_f64());
-        }
-        if took >= SLOW_FLUSH {
-            // openraft waits for this flush before it answers the leader or replicates, and
-            // gives up on a replication call after one heartbeat interval: a disk this slow
-            // shows up as replication timeouts and, if it lasts, elections.
-            tracing::info!(
-                flush_ms = took.as_millis() as u64,
-                "slow log flush: the disk took this long to sync the Raft log"
-            );
-        }
+        observe_flush(self.flush_latency.as_ref(), started.elapsed());
         result
+    }
+
+    /// The appends' flushing thread (see the module's header), started on first use; `None`
+    /// if the thread could not be started (appends then flush where they are).
+    fn flusher(&self) -> Option<&std::sync::mpsc::Sender<LogFlushed<TypeConfig>>> {
+        self.flusher
+            .get_or_init(|| {
+                let (tx, rx) = std::sync::mpsc::channel::<LogFlushed<TypeConfig>>();
+                let db = self.db.clone();
+                let histogram = self.flush_latency.clone();
+                let started = std::thread::Builder::new()
+                    .name("raft-log-flush".into())
+                    .spawn(move || {
+                        // Ends when the last store handle (and with it the sender) is dropped.
+                        while let Ok(first) = rx.recv() {
+                            let mut waiting = vec![first];
+                            waiting.extend(rx.try_iter());
+                            let started = std::time::Instant::now();
+                            let result = db.flush().map(|_| ());
+                            observe_flush(histogram.as_ref(), started.elapsed());
+                            for callback in waiting {
+                                callback.log_io_completed(
+                                    result
+                                        .as_ref()
+                                        .map(|_| ())
+                                        .map_err(|e| std::io::Error::other(e.to_string())),
+                                );
+                            }
+                        }
+                    });
+                match started {
+                    Ok(_) => Some(tx),
+                    Err(e) => {
+                        tracing::warn!(
+                            ?e,
+                            "could not start the Raft log's flushing thread: appends flush inline"
+                        );
+                        None
+                    }
+                }
+            })
+            .as_ref()
     }
 
     /// Removes every entry from `from` on, atomically (one sled batch): a crash part way must
@@ -299,6 +358,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 .insert(key(entry.log_id.index), bytes)
                 .map_err(|e| StorageIOError::write_logs(&e))?;
         }
+        // Durable once the flushing thread's next sync has finished; reported then.
+        let callback = match self.flusher() {
+            Some(flusher) => match flusher.send(callback) {
+                Ok(()) => return Ok(()),
+                Err(std::sync::mpsc::SendError(callback)) => callback,
+            },
+            None => callback,
+        };
         self.flush().await?;
         callback.log_io_completed(Ok(()));
         Ok(())

@@ -3,6 +3,7 @@ use crate::raft::VoteResponse;
 use crate::replication;
 use crate::MessageSummary;
 use crate::RaftTypeConfig;
+use crate::LogId;
 use crate::Vote;
 
 /// A message coming from the internal components.
@@ -41,6 +42,14 @@ where C: RaftTypeConfig
 
     /// Result of executing a command sent from state machine worker.
     StateMachine { command_result: sm::CommandResult<C> },
+
+    /// PATCHED (7): the leader's write of its own entries up to `last_log_id`, made without
+    /// waiting, is flushed (or failed).
+    LeaderLogFlushed {
+        vote: Vote<C::NodeId>,
+        last_log_id: LogId<C::NodeId>,
+        result: Result<(), String>,
+    },
 
     /// A tick event to wake up RaftCore to check timeout etc.
     Tick {
@@ -84,6 +93,13 @@ where C: RaftTypeConfig
             }
             Self::StateMachine { command_result } => {
                 format!("StateMachine command done: {:?}", command_result)
+            }
+            Self::LeaderLogFlushed {
+                vote,
+                last_log_id,
+                result,
+            } => {
+                format!("Leader log flushed: vote: {}, upto: {}, ok: {}", vote, last_log_id, result.is_ok())
             }
             Self::Tick { i } => {
                 format!("Tick {}", i)

@@ -1278,6 +1278,28 @@ where
                 }
             }
 
+            // PATCHED (7): the leader's own write of entries it replicated without waiting for
+            // it (see `Command::AppendInputEntries`) is on disk: its copy counts from now on.
+            // Stale reports (an older write, or one from a term this node no longer leads) change
+            // nothing: `update_local_progress` only moves forward.
+            Notify::LeaderLogFlushed {
+                vote,
+                last_log_id,
+                result,
+            } => {
+                if let Err(e) = result {
+                    tracing::error!("the leader's log write failed: {}", e);
+                    return Err(Fatal::StorageError(
+                        StorageIOError::write_logs(AnyError::error(e)).into(),
+                    ));
+                }
+                if self.engine.state.vote_ref() == &vote {
+                    if let Ok(mut lh) = self.engine.leader_handler() {
+                        lh.replication_handler().update_local_progress(Some(last_log_id));
+                    }
+                }
+            }
+
             Notify::Tick { i } => {
                 // check every timer
 
@@ -1636,6 +1658,36 @@ where
             Command::AppendInputEntries { vote, entries } => {
                 let last_log_id = entries.last().unwrap().get_log_id().clone();
                 tracing::debug!("AppendInputEntries: {}", DisplaySlice::<_>(&entries),);
+
+                // PATCHED (7): a leader does not wait for its own disk before it replicates.
+                // Its entries are handed to the log store, which makes them readable at once
+                // and durable in the background; the replication commands queued after this
+                // one send them to the followers meanwhile, and the leader's own copy counts
+                // towards the quorum only once the store reports it flushed
+                // (`Notify::LeaderLogFlushed`). A commit thus waits for the fastest majority
+                // of disks, not for the leader's sync and then a follower's one after the
+                // other. A follower still acknowledges only what it has flushed: below, it
+                // waits as before.
+                if self.engine.state.is_leader(&self.id) && self.engine.state.vote_ref() == &vote {
+                    let (tx, rx) = C::AsyncRuntime::oneshot();
+                    let log_io_id = LogIOId::new(vote.clone(), Some(last_log_id.clone()));
+                    self.log_store.append(entries, LogFlushed::new(log_io_id, tx)).await?;
+                    let tx_notify = self.tx_notify.clone();
+                    #[allow(clippy::let_underscore_future)]
+                    let _ = C::AsyncRuntime::spawn(async move {
+                        let result = match rx.await {
+                            Ok(Ok(_)) => Ok(()),
+                            Ok(Err(e)) => Err(e.to_string()),
+                            Err(e) => Err(format!("the log store dropped its flush callback: {e}")),
+                        };
+                        let _ = tx_notify.send(Notify::LeaderLogFlushed {
+                            vote,
+                            last_log_id,
+                            result,
+                        });
+                    });
+                    return Ok(None);
+                }
 
                 self.append_to_log(entries, vote.clone(), last_log_id.clone()).await?;
 

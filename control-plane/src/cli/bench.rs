@@ -377,10 +377,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             runs: runs.max(1),
             fleets,
         })?;
-        match fmt {
-            Format::Json | Format::Yaml => println!("{json}"),
-            Format::Table | Format::Wide => print!("{text}"),
-        }
+        print_report(fmt, &text, &json);
         return Ok(());
     }
     if let BenchCommand::StatusPage {
@@ -398,10 +395,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             pending,
             html_dir,
         })?;
-        match fmt {
-            Format::Json | Format::Yaml => println!("{json}"),
-            Format::Table | Format::Wide => print!("{text}"),
-        }
+        print_report(fmt, &text, &json);
         return Ok(());
     }
     if let BenchCommand::Memory {
@@ -421,10 +415,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             dir,
             compaction: !no_compaction,
         })?;
-        match fmt {
-            Format::Json | Format::Yaml => println!("{json}"),
-            Format::Table | Format::Wide => print!("{text}"),
-        }
+        print_report(fmt, &text, &json);
         return Ok(());
     }
     if let BenchCommand::Membership {
@@ -441,10 +432,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             },
             keep_data,
         )?;
-        match fmt {
-            Format::Json | Format::Yaml => println!("{json}"),
-            Format::Table | Format::Wide => print!("{text}"),
-        }
+        print_report(fmt, &text, &json);
         return Ok(());
     }
     if let BenchCommand::Scale {
@@ -471,10 +459,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             },
             keep_data,
         )?;
-        match fmt {
-            Format::Json | Format::Yaml => println!("{json}"),
-            Format::Table | Format::Wide => print!("{text}"),
-        }
+        print_report(fmt, &text, &json);
         return Ok(());
     }
     let tmp = tempfile::Builder::new().prefix("gpucp-bench-").tempdir()?;
@@ -537,11 +522,16 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
     } else {
         side_by_side(&reports)
     };
+    print_report(fmt, &text, &json);
+    Ok(())
+}
+
+/// A benchmark's report as asked: its JSON object on one line, or its table.
+fn print_report(fmt: Format, text: &str, json: &serde_json::Value) {
     match fmt {
         Format::Json | Format::Yaml => println!("{json}"),
         Format::Table | Format::Wide => print!("{text}"),
     }
-    Ok(())
 }
 
 /// Starts a three-replica cluster secured as `mode` under `root` and runs the benchmark on it.

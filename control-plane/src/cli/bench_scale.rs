@@ -322,24 +322,23 @@ async fn pass_totals(addr: &str) -> anyhow::Result<(f64, f64)> {
 fn pending_jobs(n: usize, first_id: u64) -> Vec<JobSpec> {
     crate::synthetic::mixed_jobs(n, 42, first_id)
         .into_iter()
-        .enumerate()
-        .map(|(i, mut spec)| {
+        .map(|mut spec| {
             if spec.gpus_per_task == 0 && spec.gpu_milli == 0 {
-                let cpu_only = spec;
-                spec = crate::synthetic::job_spec(
-                    i,
-                    0,
-                    (1, 1, 0),
-                    &cpu_only.priority_class,
-                    cpu_only.time_limit_secs.unwrap_or(3600),
-                );
-                spec.tenant = cpu_only.tenant;
-                spec.dependencies = cpu_only.dependencies;
-                spec.preemptible = cpu_only.preemptible;
+                make_one_gpu(&mut spec);
             }
             spec
         })
         .collect()
+}
+
+/// Turns `spec` into a one-GPU job with the CPU and memory the synthetic mixes give one GPU
+/// (`synthetic::job_spec`), keeping everything else.
+fn make_one_gpu(spec: &mut JobSpec) {
+    let one = crate::synthetic::job_spec(0, 0, (1, 1, 0), "normal", 0);
+    spec.gpus_per_task = 1;
+    spec.gpu_milli = 0;
+    spec.cpu_milli_per_task = one.cpu_milli_per_task;
+    spec.memory_mib_per_task = one.memory_mib_per_task;
 }
 
 /// The child: builds the state in `dir` and measures the pass and the snapshot on it.
@@ -374,12 +373,8 @@ fn build(
         .into_iter()
         .enumerate()
         .map(|(k, task)| {
-            let i = packed + k;
-            let (mut spec, key) = job(i);
-            let one = crate::synthetic::job_spec(i, 0, (1, 1, 0), "normal", 3600);
-            spec.gpus_per_task = 1;
-            spec.cpu_milli_per_task = one.cpu_milli_per_task;
-            spec.memory_mib_per_task = one.memory_mib_per_task;
+            let (mut spec, key) = job(packed + k);
+            make_one_gpu(&mut spec);
             (spec, Some(key), task)
         })
         .collect();

@@ -29,8 +29,10 @@ fn bench_service_smoke_measures_restarts_replacement_rollout_and_autoscaling() {
         assert!(p50 > 0.0 && p50 < 60_000.0, "{key}: {j}");
     }
     // The cut-off host's replica cannot come back before its lease and grace have run out.
+    // The lease runs from the agent's last heartbeat, up to one heartbeat (200 ms) before the
+    // kill the benchmark times from.
     assert!(
-        j["replace_after_host_cut_off_ms"]["p50"].as_f64().unwrap() >= 3_000.0,
+        j["replace_after_host_cut_off_ms"]["p50"].as_f64().unwrap() >= 3_000.0 - 200.0,
         "{j}"
     );
     let roll = &j["rolling_update"];

@@ -217,6 +217,7 @@ fn config(cp: &str, state_dir: &Path, stop_grace: Duration) -> AgentConfig {
         labels: BTreeMap::new(),
         shim_program: PathBuf::from(SHIM),
         shim_args: vec!["shim".into()],
+        shim_launcher: true,
         stop_grace,
         fence_grace: Duration::from_millis(500),
         transport: proto::transport::Transport::Plain,

@@ -23,6 +23,7 @@ fn config(state_dir: &Path) -> RuntimeConfig {
         state_dir: state_dir.to_path_buf(),
         shim_program: PathBuf::from(SHIM),
         shim_args: vec!["shim".to_string()],
+        launcher: true,
         stop_grace: GRACE,
         lease_file: None,
         fence_grace: GRACE,
@@ -927,4 +928,89 @@ fn an_agent_upgraded_from_per_file_records_readopts_the_running_process() {
     let mut rt = Runtime::open(config(state.path())).expect("third open");
     let events = rt.poll();
     assert_eq!(exits_of(&events, 60), 1, "{events:?}");
+}
+
+/// The parent of process `pid` (field 4 of its stat line).
+fn parent_of(pid: u32) -> u32 {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let (_, rest) = stat.rsplit_once(')')?;
+            rest.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no stat for process {pid}"))
+}
+
+fn cmdline(pid: u32) -> String {
+    fs::read_to_string(format!("/proc/{pid}/cmdline"))
+        .unwrap_or_default()
+        .replace('\0', " ")
+}
+
+#[test]
+fn shims_are_forked_by_the_launcher_and_exec_d_without_one() {
+    for launcher in [true, false] {
+        let state = tempfile::tempdir().expect("tempdir");
+        let work = tempfile::tempdir().expect("tempdir");
+        let mut rt = Runtime::open(RuntimeConfig {
+            launcher,
+            ..config(state.path())
+        })
+        .expect("open");
+        let release = work.path().join("release");
+        let script = format!(
+            "while [ ! -e {} ]; do sleep 0.02; done; exit 5",
+            release.display()
+        );
+        rt.launch(spec(1, &["GPU-a"], work.path(), &script))
+            .expect("launch");
+        let pid = rt.pid(1).expect("a shim pid");
+        let parent = parent_of(pid);
+        if launcher {
+            assert_ne!(parent, std::process::id(), "the launcher forks the shim");
+            assert!(
+                cmdline(parent).contains("shim --launcher"),
+                "the shim's parent is {:?}",
+                cmdline(parent)
+            );
+        } else {
+            assert_eq!(parent, std::process::id(), "exec'd by the runtime itself");
+        }
+        fs::write(&release, "").expect("release");
+        let (kind, _) = wait_for_exit(&mut rt, 1);
+        assert_eq!(kind, ExitKind::Exited { code: 5 }, "launcher: {launcher}");
+        assert!(process_dead(pid));
+    }
+}
+
+#[test]
+fn a_dead_launcher_leaves_running_jobs_alone_and_shims_are_exec_d_meanwhile() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let work = tempfile::tempdir().expect("tempdir");
+    let mut rt = Runtime::open(config(state.path())).expect("open");
+    let release = work.path().join("release");
+    let script = format!(
+        "while [ ! -e {} ]; do sleep 0.02; done; exit 3",
+        release.display()
+    );
+    rt.launch(spec(1, &["GPU-a"], work.path(), &script))
+        .expect("launch");
+    let first = rt.pid(1).expect("a shim pid");
+    let launcher = parent_of(first);
+    assert!(cmdline(launcher).contains("--launcher"));
+    // SAFETY: kill(2) of the launcher, a child of this test process.
+    unsafe { libc::kill(launcher as i32, libc::SIGKILL) };
+    wait_until("the launcher to die", || process_dead(launcher));
+
+    // The next launch notices and execs its shim; the first job runs on, re-parented.
+    rt.launch(spec(2, &["GPU-b"], work.path(), "exit 4"))
+        .expect("launch without a launcher");
+    assert_eq!(parent_of(rt.pid(2).expect("pid")), std::process::id());
+    assert_eq!(wait_for_exit(&mut rt, 2).0, ExitKind::Exited { code: 4 });
+    assert!(
+        !process_dead(first),
+        "the first job's shim outlives its launcher"
+    );
+    fs::write(&release, "").expect("release");
+    assert_eq!(wait_for_exit(&mut rt, 1).0, ExitKind::Exited { code: 3 });
 }

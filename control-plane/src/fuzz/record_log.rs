@@ -179,6 +179,7 @@ fn config(state: &Path) -> RuntimeConfig {
         // Never run: opening launches nothing.
         shim_program: PathBuf::from("/bin/false"),
         shim_args: Vec::new(),
+        launcher: false,
         stop_grace: Duration::from_secs(30),
         lease_file: None,
         fence_grace: Duration::from_secs(2),

@@ -62,6 +62,11 @@ pub struct AgentArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping a workload.
     #[arg(long, default_value_t = 30)]
     pub stop_grace_secs: u64,
+    /// How shims are started: `fork` from one pre-started launcher process (the default;
+    /// falls back to `exec` where the launcher cannot run), or `exec` the shim program for
+    /// every workload.
+    #[arg(long, value_enum, default_value = "fork")]
+    pub shim_start: ShimStart,
     /// Enforcement with a cgroup per allocation (devices, memory, CPU; stopping every
     /// process of a job): auto (use cgroups where the host allows, else register the node
     /// as unenforced and say why), require (refuse to start without them), off (unenforced).
@@ -123,6 +128,15 @@ pub struct AgentArgs {
 /// local cluster sets for its simulated hosts, since an agent of an older release (a rolling
 /// upgrade test) would refuse the flag but ignores the variable.
 pub const SERVICE_PORTS_ENV: &str = "GPUCP_AGENT_SERVICE_PORTS";
+
+/// How the agent starts each workload's shim (`--shim-start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShimStart {
+    /// Forked by one pre-started launcher process: no exec and no dynamic loading per job.
+    Fork,
+    /// A new process of the shim program for every workload.
+    Exec,
+}
 
 /// A node's range of host ports for named task ports, both ends included.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -318,6 +332,7 @@ impl AgentArgs {
                 labels,
                 shim_program,
                 shim_args,
+                shim_launcher: self.shim_start == ShimStart::Fork,
                 stop_grace: Duration::from_secs(self.stop_grace_secs),
                 fence_grace: Duration::from_millis(self.fence_grace_ms),
                 transport,

@@ -76,6 +76,8 @@ pub struct AgentConfig {
     /// Program (and leading arguments) that runs the supervisor shim.
     pub shim_program: PathBuf,
     pub shim_args: Vec<String>,
+    /// Fork shims from a launcher (see `runtime::launcher`) rather than exec each one.
+    pub shim_launcher: bool,
     /// SIGTERM → SIGKILL grace when stopping a workload.
     pub stop_grace: Duration,
     /// SIGTERM → SIGKILL grace when fencing (lease expired); below the control plane's node
@@ -1093,6 +1095,7 @@ pub async fn run(
         state_dir: config.state_dir.join("runtime"),
         shim_program: config.shim_program.clone(),
         shim_args: config.shim_args.clone(),
+        launcher: config.shim_launcher,
         stop_grace: config.stop_grace,
         lease_file: Some(config.state_dir.join("lease")),
         fence_grace: config.fence_grace,

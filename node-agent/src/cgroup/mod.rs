@@ -209,15 +209,38 @@ impl Cgroups {
     /// an earlier attempt, is emptied and replaced), and says what it enforces.
     pub fn create(&self, name: &str, limits: &Limits) -> io::Result<(AllocationCgroup, Enforced)> {
         let cg = self.open(name);
-        if cg.exists() {
-            cg.kill_all()?;
-            cg.remove()?;
-        }
-        let enforced = match &self.hierarchy {
-            Hierarchy::V1 { .. } => v1::create(&cg.dirs, limits)?,
-            Hierarchy::V2 { .. } => v2::create(&cg.dirs[0], limits, self.devices.is_ok())?,
+        let made = self.create_dirs(name, limits);
+        let enforced = match made {
+            // Rare (an agent that died between creating and recording a cgroup): checked on
+            // this path only, so a launch does not pay a lookup per controller for it.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                cg.kill_all()?;
+                cg.remove()?;
+                self.create_dirs(name, limits)?
+            }
+            other => other?,
         };
         Ok((cg, enforced))
+    }
+
+    fn create_dirs(&self, name: &str, limits: &Limits) -> io::Result<Enforced> {
+        match &self.hierarchy {
+            Hierarchy::V1 { controllers } => {
+                let mut dirs: std::collections::BTreeMap<PathBuf, Vec<mounts::V1Controller>> =
+                    Default::default();
+                for (c, mount) in allocation_controllers(controllers) {
+                    dirs.entry(mount.join(&self.parent).join(name))
+                        .or_default()
+                        .push(c);
+                }
+                v1::create(&dirs, limits)
+            }
+            Hierarchy::V2 { root } => v2::create(
+                &root.join(&self.parent).join(name),
+                limits,
+                self.devices.is_ok(),
+            ),
+        }
     }
 
     /// Allocation `name`'s cgroup, whether or not it exists (an agent restarted finds the
@@ -226,9 +249,8 @@ impl Cgroups {
         match &self.hierarchy {
             Hierarchy::V1 { controllers } => AllocationCgroup {
                 v2: false,
-                dirs: controllers
-                    .values()
-                    .map(|mount| mount.join(&self.parent).join(name))
+                dirs: allocation_controllers(controllers)
+                    .map(|(_, mount)| mount.join(&self.parent).join(name))
                     .collect::<std::collections::BTreeSet<_>>()
                     .into_iter()
                     .collect(),
@@ -254,6 +276,17 @@ impl Cgroups {
             }
         }
     }
+}
+
+/// The v1 controllers an allocation gets a directory in: all the host has but `pids`, which
+/// limits nothing here (each directory costs a create, a join and a removal per launch).
+fn allocation_controllers(
+    controllers: &std::collections::BTreeMap<mounts::V1Controller, PathBuf>,
+) -> impl Iterator<Item = (mounts::V1Controller, &PathBuf)> {
+    controllers
+        .iter()
+        .filter(|(c, _)| **c != mounts::V1Controller::Pids)
+        .map(|(c, m)| (*c, m))
 }
 
 /// One allocation's cgroup (v1: its directory in each controller's hierarchy). Passed to
@@ -394,24 +427,97 @@ impl AllocationCgroup {
 
     /// Removes the (empty) cgroup, child cgroups first; a directory already gone is fine.
     pub fn remove(&self) -> io::Result<()> {
-        let all = self
-            .dirs
-            .iter()
-            .flat_map(|d| descendants(d).into_iter().chain([d.clone()]));
-        for d in all {
-            match std::fs::remove_dir(&d) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(io::Error::new(
-                        e.kind(),
-                        format!("removing {}: {e}", d.display()),
-                    ));
+        for dir in &self.dirs {
+            // Child cgroups are rare (a container engine's, under a container job's): try the
+            // directory alone first, and look for them only when it is not empty.
+            match std::fs::remove_dir(dir) {
+                Ok(()) => continue,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(_) => {}
+            }
+            for d in descendants(dir).into_iter().chain([dir.clone()]) {
+                match std::fs::remove_dir(&d) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        return Err(io::Error::new(
+                            e.kind(),
+                            format!("removing {}: {e}", d.display()),
+                        ));
+                    }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// A cgroup directory opened once, whose files are then opened relative to it: every path
+/// walk through cgroupfs revalidates each component, and a launch writes a dozen files.
+struct CgroupDir {
+    fd: std::os::fd::OwnedFd,
+    path: PathBuf,
+}
+
+impl CgroupDir {
+    fn open(path: &Path) -> io::Result<CgroupDir> {
+        let c = c_string(path.as_os_str())?;
+        // SAFETY: a NUL-terminated path; the result is a new descriptor or -1.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("opening {}: {e}", path.display()),
+            ));
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        let fd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
+        Ok(CgroupDir {
+            fd,
+            path: path.to_owned(),
+        })
+    }
+
+    fn file(&self, name: &str, flags: libc::c_int) -> io::Result<std::fs::File> {
+        use std::os::fd::AsRawFd;
+        let c = c_string(std::ffi::OsStr::new(name))?;
+        // SAFETY: a valid directory descriptor and a NUL-terminated relative name.
+        let fd = unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+    }
+
+    /// Writes `value` to the file `name` in it, in one write (cgroup files take one value
+    /// per write).
+    fn write(&self, name: &str, value: &str) -> io::Result<()> {
+        use std::io::Write;
+        self.file(name, libc::O_WRONLY)
+            .and_then(|mut f| f.write_all(value.as_bytes()))
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "writing {value:?} to {}: {e}",
+                        self.path.join(name).display()
+                    ),
+                )
+            })
+    }
+}
+
+fn c_string(s: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(s.as_bytes())
+        .map_err(|_| io::Error::other(format!("{s:?} contains a NUL byte")))
 }
 
 /// Joins the calling process to the cgroup whose `cgroup.procs` files are `files` (from

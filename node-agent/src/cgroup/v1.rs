@@ -8,7 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::mounts::V1Controller;
-use super::{Enforced, Limits, Usage, keyed, read_u64, write};
+use super::{CgroupDir, Enforced, Limits, Usage, keyed, read_u64, write};
 
 /// CFS period: quota = milli-CPUs × period / 1000.
 const CFS_PERIOD_US: u64 = 100_000;
@@ -55,51 +55,60 @@ fn inherit_cpuset(above: &Path, dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Creates the allocation's directories and writes its limits.
-pub fn create(dirs: &[PathBuf], limits: &Limits) -> io::Result<Enforced> {
+/// Creates the allocation's directories (each with the controllers mounted there) and
+/// writes its limits. Which files a directory has follows from its controllers, so nothing
+/// is looked up first.
+pub fn create(
+    dirs: &BTreeMap<PathBuf, Vec<V1Controller>>,
+    limits: &Limits,
+) -> io::Result<Enforced> {
     let mut enforced = Enforced {
         hierarchy: "cgroup v1".into(),
         ..Enforced::default()
     };
-    for dir in dirs {
-        std::fs::create_dir(dir)
-            .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
-        let has = |file: &str| dir.join(file).exists();
-        if has("cpuset.cpus") {
-            let above = dir.parent().unwrap_or(dir);
-            inherit_cpuset(above, dir)?;
-            if let Some(cpus) = &limits.cpus {
-                write(&dir.join("cpuset.cpus"), cpus)?;
-                enforced.cpuset = true;
+    for (path, controllers) in dirs {
+        std::fs::create_dir(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", path.display())))?;
+        let dir = CgroupDir::open(path)?;
+        let has = |c: V1Controller| controllers.contains(&c);
+        if has(V1Controller::Cpuset) {
+            // A new v1 cpuset is empty and takes no task: its own CPUs and nodes, or its
+            // parent's.
+            let above = path.parent().unwrap_or(path);
+            for (file, own) in [("cpuset.cpus", &limits.cpus), ("cpuset.mems", &limits.mems)] {
+                let value = match own {
+                    Some(value) => value.clone(),
+                    None => std::fs::read_to_string(above.join(file))?.trim().to_owned(),
+                };
+                dir.write(file, &value)?;
             }
-            if let Some(mems) = &limits.mems {
-                write(&dir.join("cpuset.mems"), mems)?;
-            }
+            enforced.cpuset = limits.cpus.is_some();
         }
-        if has("memory.limit_in_bytes")
+        if has(V1Controller::Memory)
             && let Some(bytes) = limits.memory_bytes
         {
-            write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
+            dir.write("memory.limit_in_bytes", &bytes.to_string())?;
             // Present only with swap accounting; must not be below limit_in_bytes.
-            if has("memory.memsw.limit_in_bytes") {
-                write(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())?;
+            match dir.write("memory.memsw.limit_in_bytes", &bytes.to_string()) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                other => other?,
             }
             enforced.memory = true;
         }
-        if has("cpu.cfs_quota_us")
+        if has(V1Controller::Cpu)
             && let Some(milli) = limits.cpu_milli
         {
-            write(&dir.join("cpu.cfs_period_us"), &CFS_PERIOD_US.to_string())?;
+            dir.write("cpu.cfs_period_us", &CFS_PERIOD_US.to_string())?;
             let quota = (milli * CFS_PERIOD_US / 1000).max(1000);
-            write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            dir.write("cpu.cfs_quota_us", &quota.to_string())?;
             enforced.cpu = true;
         }
-        if has("devices.deny")
+        if has(V1Controller::Devices)
             && let Some(rules) = &limits.devices
         {
-            write(&dir.join("devices.deny"), "a")?;
+            dir.write("devices.deny", "a")?;
             for rule in rules {
-                write(&dir.join("devices.allow"), &rule.to_string())?;
+                dir.write("devices.allow", &rule.to_string())?;
             }
             enforced.devices = true;
         }

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use super::device_program;
 use super::mounts::V2_CONTROLLERS;
-use super::{Enforced, Limits, Usage, keyed, read_u64, write};
+use super::{CgroupDir, Enforced, Limits, Usage, keyed, read_u64, write};
 
 /// The throwaway cgroup [`probe_devices`] attaches to, under the node's parent (allocations
 /// are `alloc-<N>`, so never this).
@@ -79,39 +79,38 @@ pub fn create(dir: &Path, limits: &Limits, devices: bool) -> io::Result<Enforced
     enforced
 }
 
-fn apply(dir: &Path, limits: &Limits, devices: bool) -> io::Result<Enforced> {
-    let has = |file: &str| dir.join(file).exists();
+fn apply(path: &Path, limits: &Limits, devices: bool) -> io::Result<Enforced> {
+    let dir = CgroupDir::open(path)?;
+    // A controller the parent does not enable has no files here: its write fails with
+    // NotFound and the limit is reported as not enforced (no lookup first).
+    let optional = |written: io::Result<()>| match written {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    };
     let mut enforced = Enforced {
         hierarchy: "cgroup v2".into(),
         ..Enforced::default()
     };
-    if has("memory.max")
-        && let Some(bytes) = limits.memory_bytes
+    if let Some(bytes) = limits.memory_bytes
+        && optional(dir.write("memory.max", &bytes.to_string()))?
     {
-        write(&dir.join("memory.max"), &bytes.to_string())?;
-        if has("memory.swap.max") {
-            write(&dir.join("memory.swap.max"), "0")?;
-        }
+        // Present only with swap accounting.
+        optional(dir.write("memory.swap.max", "0"))?;
         enforced.memory = true;
     }
-    if has("cpu.max")
-        && let Some(milli) = limits.cpu_milli
-    {
+    if let Some(milli) = limits.cpu_milli {
         let quota = (milli * CPU_PERIOD_US / 1000).max(1000);
-        write(&dir.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?;
-        enforced.cpu = true;
+        enforced.cpu = optional(dir.write("cpu.max", &format!("{quota} {CPU_PERIOD_US}")))?;
     }
-    if has("cpuset.cpus") {
-        if let Some(cpus) = &limits.cpus {
-            write(&dir.join("cpuset.cpus"), cpus)?;
-            enforced.cpuset = true;
-        }
-        if let Some(mems) = &limits.mems {
-            write(&dir.join("cpuset.mems"), mems)?;
-        }
+    if let Some(cpus) = &limits.cpus {
+        enforced.cpuset = optional(dir.write("cpuset.cpus", cpus))?;
+    }
+    if let Some(mems) = &limits.mems {
+        optional(dir.write("cpuset.mems", mems))?;
     }
     if devices && let Some(rules) = &limits.devices {
-        device_program::attach(dir, rules)?;
+        device_program::attach(path, rules)?;
         enforced.devices = true;
     }
     Ok(enforced)

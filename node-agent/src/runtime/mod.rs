@@ -9,6 +9,7 @@
 //!   [`StopReason`], [`RuntimeConfig`], [`RuntimeError`]);
 //! - `supervisor.rs`: [`Runtime`], the state machine over processes and records;
 //! - `shim.rs`: [`shim_main`], the per-allocation supervisor process;
+//! - `launcher.rs`: the pre-forked process that forks shims for the agent (no exec per job);
 //! - `record.rs`: the on-disk layout and records, and exit classification;
 //! - `record_log.rs`: the append-only log the records are kept in;
 //! - `env.rs`: the command's environment ([`command_env`]) and spec validation;
@@ -19,7 +20,8 @@
 //! - `container.rs`: what a container job becomes on the host (devices, limits, name);
 //!   `container_runner.rs`: the process that runs it through the engine's API.
 //!
-//! Process model: `agent ─spawn→ shim (session + process group leader) ─spawn→ command`.
+//! Process model: `agent ─spawn→ launcher ─fork→ shim (process group leader) ─spawn→
+//! command`, or `agent ─spawn→ shim` where no launcher runs.
 //! The shim outlives the agent and writes the command's exit status to an exit file; the
 //! runtime finds its processes again from per-allocation records (pid + start time), kept
 //! in one append-only log.
@@ -28,6 +30,7 @@ pub mod container;
 pub mod container_runner;
 mod env;
 mod journal;
+mod launcher;
 mod ledger;
 pub(crate) mod process;
 mod record;

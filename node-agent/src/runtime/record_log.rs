@@ -9,10 +9,17 @@
 //! digits; the JSON is `{"put":<AllocationRecord>}` or `{"forget":{"id":<id>}}`. Replaying
 //! the lines in order gives the records: the last put of an id wins, a forget removes it.
 //!
-//! Each append is `write_all` on an append-mode descriptor followed by `sync_data`, so a
-//! record is on disk when `put` returns, as it was with the per-file records. A crash can
-//! therefore tear only the last line; `open` cuts such a line off (with a warning). A bad
-//! line anywhere else cannot come from a crash and fails the open with
+//! Each append is `write_all` on an append-mode descriptor, and most are followed by
+//! `sync_data`, so the record is on disk when `put` returns. Two kinds of change are written
+//! without their own sync ([`Durability::WithNextSync`]) and become durable with the next
+//! synced append (one `fdatasync` flushes every earlier write to the file, in order): the
+//! first record of a launch, which the launch's next record (the shim's pid, synced before
+//! the command may start) always follows, and changes whose loss in a power failure cannot
+//! matter because they are found again after the reboot (the exit, which the shim's synced
+//! exit file holds; the forgetting of an acknowledged exit, which is at worst reported again
+//! and ignored). An agent that crashes without the machine loses nothing: the page cache
+//! holds every write. A crash can tear only the last line; `open` cuts such a line off (with
+//! a warning). A bad line anywhere else cannot come from a crash and fails the open with
 //! [`RuntimeError::CorruptRecord`]: like a corrupt record file before, it may be the only
 //! trace of a process that still runs (see `load_records`).
 //!
@@ -33,6 +40,15 @@ use super::record::{
     sync_dir,
 };
 use super::types::RuntimeError;
+
+/// When an append must be on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// Before the call returns (`fdatasync`).
+    Synced,
+    /// With the next synced append, or whenever the kernel writes it back.
+    WithNextSync,
+}
 
 /// Dead lines (overwritten puts, forgets and what they forgot) beyond which the log is
 /// compacted: at least this many, and at least `DEAD_PER_LIVE` per live record, so a
@@ -175,7 +191,17 @@ impl RecordLog {
 
     /// Appends `record` and makes it durable.
     pub(crate) fn put(&mut self, record: &AllocationRecord) -> Result<(), RuntimeError> {
-        self.append(&LineOut::Put(record))?;
+        self.put_with(record, Durability::Synced)
+    }
+
+    /// Appends `record`, made durable now or with the next synced append (see the module
+    /// documentation for which changes may wait).
+    pub(crate) fn put_with(
+        &mut self,
+        record: &AllocationRecord,
+        durability: Durability,
+    ) -> Result<(), RuntimeError> {
+        self.append(&LineOut::Put(record), durability)?;
         self.records.insert(record.id(), record.clone());
         self.maybe_compact();
         Ok(())
@@ -184,16 +210,25 @@ impl RecordLog {
     /// Appends a tombstone for `id` and makes it durable. Nothing to do for an id the log
     /// does not hold.
     pub(crate) fn forget(&mut self, id: u64) -> Result<(), RuntimeError> {
+        self.forget_with(id, Durability::Synced)
+    }
+
+    /// [`Self::forget`], made durable now or with the next synced append.
+    pub(crate) fn forget_with(
+        &mut self,
+        id: u64,
+        durability: Durability,
+    ) -> Result<(), RuntimeError> {
         if !self.records.contains_key(&id) {
             return Ok(());
         }
-        self.append(&LineOut::Forget { id })?;
+        self.append(&LineOut::Forget { id }, durability)?;
         self.records.remove(&id);
         self.maybe_compact();
         Ok(())
     }
 
-    fn append(&mut self, line: &LineOut<'_>) -> Result<(), RuntimeError> {
+    fn append(&mut self, line: &LineOut<'_>, durability: Durability) -> Result<(), RuntimeError> {
         let bytes = encode_line(line);
         let path = self.path.clone();
         let err = |source| RuntimeError::Io {
@@ -212,7 +247,11 @@ impl RecordLog {
         let Some(file) = self.file.as_mut() else {
             unreachable!("reopened above");
         };
-        match file.write_all(&bytes).and_then(|()| file.sync_data()) {
+        let written = file.write_all(&bytes).and_then(|()| match durability {
+            Durability::Synced => file.sync_data(),
+            Durability::WithNextSync => Ok(()),
+        });
+        match written {
             Ok(()) => {
                 self.len += bytes.len() as u64;
                 self.lines += 1;

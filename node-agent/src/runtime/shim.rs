@@ -34,7 +34,7 @@ use super::record::{ChildStatus, ShimExitRecord, write_atomic_via};
 
 /// Shim exit codes other than 0. The runtime only shows them in a `Vanished` reason: what
 /// matters is the exit file.
-const EXIT_USAGE: i32 = 2;
+pub(crate) const EXIT_USAGE: i32 = 2;
 const EXIT_NOT_RELEASED: i32 = 3;
 const EXIT_NO_RECORD: i32 = 4;
 
@@ -156,7 +156,8 @@ impl ShimArgs {
 pub const SHIM_PROTOCOL: u64 = fnv1a(include_bytes!("shim.rs"))
     ^ fnv1a(include_bytes!("record.rs")).rotate_left(21)
     ^ fnv1a(include_bytes!("process.rs")).rotate_left(42)
-    ^ fnv1a(include_bytes!("../cgroup/mod.rs")).rotate_left(13);
+    ^ fnv1a(include_bytes!("../cgroup/mod.rs")).rotate_left(13)
+    ^ fnv1a(include_bytes!("launcher.rs")).rotate_left(34);
 
 /// `gpucp-shim --protocol` prints [`SHIM_PROTOCOL`].
 pub const SHIM_PROTOCOL_FLAG: &str = "--protocol";
@@ -225,13 +226,21 @@ pub fn shim_command(own_exe: PathBuf, subcommand: &str) -> (PathBuf, Vec<String>
 /// Returns the shim's exit code (in practice it usually ends by its own group SIGKILL, see
 /// the module documentation).
 pub fn shim_main(args: Vec<String>) -> i32 {
-    let args = match ShimArgs::parse(&args) {
-        Ok(args) => args,
+    if args.len() == 1 && args[0] == super::launcher::LAUNCHER_FLAG {
+        return super::launcher::launcher_main();
+    }
+    match ShimArgs::parse(&args) {
+        Ok(args) => run_shim(args, None),
         Err(message) => {
             eprintln!("node-agent shim: {message}\n{USAGE}");
-            return EXIT_USAGE;
+            EXIT_USAGE
         }
-    };
+    }
+}
+
+/// The shim's steps 1 to 6 (see the module documentation). `env`: the command's whole
+/// environment, where the shim's own is not it (a shim forked by the launcher).
+pub(crate) fn run_shim(args: ShimArgs, env: Option<Vec<(String, String)>>) -> i32 {
     become_group_leader();
     if args.await_go {
         match await_go() {
@@ -250,7 +259,7 @@ pub fn shim_main(args: Vec<String>) -> i32 {
         }
     }
 
-    let (status, fenced) = run_command(&args);
+    let (status, fenced) = run_command(&args, env);
     // Before the exit is recorded: once the agent reports it, the allocation's GPUs are
     // placed again, and nothing of this job may still hold them (invariant 1).
     if let Some(cg) = &args.cgroup
@@ -326,7 +335,7 @@ fn lease_expired(path: &std::path::Path) -> bool {
 }
 
 /// Runs the command; returns how it ended and whether the shim fenced it (lease expired).
-fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
+fn run_command(args: &ShimArgs, env: Option<Vec<(String, String)>>) -> (ChildStatus, bool) {
     let open_log = |path: &PathBuf| {
         OpenOptions::new()
             .create(true)
@@ -353,6 +362,9 @@ fn run_command(args: &ShimArgs) -> (ChildStatus, bool) {
         .stdin(Stdio::null())
         .stdout(stdout)
         .stderr(stderr);
+    if let Some(env) = env {
+        command.env_clear().envs(env);
+    }
     // The command must start with the shielded signals unblocked and at their default
     // disposition: a job that traps SIGTERM to checkpoint would otherwise never see it
     // (the child inherits the mask blocked below; std does not reset it on this path).

@@ -19,13 +19,14 @@ use std::time::Duration;
 
 use super::env::{command_env, validate_spec};
 use super::journal::{UsageRecord, append_usage};
+use super::launcher::{Launcher, SpawnRequest};
 use super::ledger::GpuLedger;
 use super::process::{Probe, Reap, now_ms, probe, read_stat, signal_group, try_reap};
 use super::record::{
     AllocationRecord, Layout, RecordedExit, ShimFate, StopRequest, classify, read_exit_file,
     remove_if_present,
 };
-use super::record_log::RecordLog;
+use super::record_log::{Durability, RecordLog};
 use super::shim::ShimArgs;
 use super::types::{
     ExecTarget, ExitKind, LaunchSpec, RuntimeConfig, RuntimeError, RuntimeEvent, StopReason,
@@ -38,7 +39,13 @@ struct Entry {
     /// The in-memory record is newer than the record log (an append failed); retried every
     /// poll. The in-memory state keeps driving supervision meanwhile.
     dirty: bool,
+    /// When `poll` last looked for the exit file of this running allocation's shim.
+    exit_checked_at_ms: u64,
 }
+
+/// How often `poll` looks for the exit file of a shim that still runs (one that wrote it
+/// and then got stuck instead of ending its group).
+const EXIT_FILE_CHECK_MS: u64 = 1000;
 
 /// The workload runtime of one host. One per state directory (enforced with a lock file).
 ///
@@ -55,6 +62,31 @@ pub struct Runtime {
     entries: BTreeMap<u64, Entry>,
     /// Events produced outside `poll` (launch, open), handed out by the next `poll`.
     pending: Vec<RuntimeEvent>,
+    /// Forks shims (see `launcher.rs`); `None`: shims are exec'd one by one.
+    launcher: Option<Launcher>,
+    /// When the launcher last failed: it is started again no sooner than
+    /// [`LAUNCHER_RETRY`] later, so a launcher that cannot run costs one attempt a minute.
+    launcher_failed_at: Option<std::time::Instant>,
+}
+
+/// How long after a launcher failure the runtime tries to start one again.
+const LAUNCHER_RETRY: Duration = Duration::from_secs(60);
+
+/// A shim started for a launch, not yet released.
+enum StartedShim {
+    /// Exec'd by the agent; released through its stdin.
+    Direct(Child),
+    /// Forked by the launcher; released through it.
+    Forked(u32),
+}
+
+impl StartedShim {
+    fn pid(&self) -> u32 {
+        match self {
+            StartedShim::Direct(child) => child.id(),
+            StartedShim::Forked(pid) => *pid,
+        }
+    }
 }
 
 impl Runtime {
@@ -85,7 +117,10 @@ impl Runtime {
             log,
             entries: BTreeMap::new(),
             pending: Vec::new(),
+            launcher: None,
+            launcher_failed_at: None,
         };
+        runtime.ensure_launcher();
         let now = now_ms();
         for record in records {
             let id = record.id();
@@ -106,6 +141,7 @@ impl Runtime {
                 Entry {
                     record,
                     dirty: false,
+                    exit_checked_at_ms: 0,
                 },
             );
             if launching {
@@ -141,6 +177,7 @@ impl Runtime {
         self.check_gpus_free(&spec)?;
         // A container this host cannot run is refused before anything is written.
         self.check_container(&spec)?;
+        self.ensure_launcher();
 
         let log_dir = self.layout.log_dir(id);
         fs::create_dir_all(&log_dir).map_err(|source| RuntimeError::Io {
@@ -192,7 +229,9 @@ impl Runtime {
             tracing::debug!(allocation = id, enforced = %enforced.describe(), "cgroup created");
             record.cgroup = Some(cg);
         }
-        if let Err(e) = self.log.put(&record) {
+        // Durable with the next record (the shim's pid), which is synced before the command
+        // may start; until then no process of this allocation can run.
+        if let Err(e) = self.log.put_with(&record, Durability::WithNextSync) {
             self.remove_cgroup(&record);
             return Err(e);
         }
@@ -232,25 +271,26 @@ impl Runtime {
             }
             None => log_dir.clone(),
         };
-        let mut command = Command::new(&self.config.shim_program);
-        command
-            .args(&self.config.shim_args)
-            .args(shim_args.to_args())
-            .env_clear()
-            .envs(&env)
-            // The job's directory, or a writable per-allocation one for scratch files.
-            .current_dir(&workdir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(shim_stderr)
-            // The shim leads its own process group from its first instruction, so `stop` can
-            // signal the group even if it comes before the shim has run at all. Set by
-            // posix_spawn, not by a closure between fork and exec: with no closure, std
-            // starts the shim with vfork semantics instead of copying the agent's address
-            // space (page tables of a multi-threaded process) for every launch.
-            .process_group(0);
-        let mut child = match command.spawn() {
-            Ok(child) => child,
+        let started = match self.launcher.as_mut() {
+            Some(launcher) => {
+                let request = SpawnRequest {
+                    args: shim_args.to_args(),
+                    env: env.clone().into_iter().collect(),
+                    workdir: workdir.clone(),
+                    stderr: shim_args.stderr.clone(),
+                };
+                match launcher.spawn(request) {
+                    Ok(pid) => Ok(StartedShim::Forked(pid)),
+                    Err(e) => {
+                        self.launcher_failed(&e);
+                        self.exec_shim(&shim_args, &env, &workdir, shim_stderr)
+                    }
+                }
+            }
+            None => self.exec_shim(&shim_args, &env, &workdir, shim_stderr),
+        };
+        let shim = match started {
+            Ok(shim) => shim,
             Err(source) => {
                 self.remove_cgroup(&record);
                 if let Err(e) = self.log.forget(id) {
@@ -263,9 +303,9 @@ impl Runtime {
                 });
             }
         };
-        let pid = child.id();
+        let pid = shim.pid();
 
-        let program = &self.config.shim_program;
+        let program = self.config.shim_program.clone();
         let spawn_error = |source| RuntimeError::Spawn {
             allocation: id,
             program: program.clone(),
@@ -291,13 +331,7 @@ impl Runtime {
                     mig_parents: record.spec.mig_parents.clone(),
                 },
             )?;
-            let mut go = child
-                .stdin
-                .take()
-                .ok_or_else(|| spawn_error(io::Error::other("no pipe to the shim")))?;
-            // A shim that died already makes this fail with EPIPE rather than raising
-            // SIGPIPE, because Rust programs (the agent, the test harness) ignore SIGPIPE.
-            go.write_all(b"G").map_err(|e| {
+            self.release(&shim).map_err(|e| {
                 // Journal the stop too, so the history shows the GPUs free again.
                 let _ = append_usage(
                     &self.layout.journal(),
@@ -312,16 +346,19 @@ impl Runtime {
             })
         })();
         if let Err(e) = started {
-            self.abort_launch(id, child);
+            self.abort_launch(id, shim);
             return Err(e);
         }
-        // Dropping `child` neither kills nor waits; `poll` reaps the shim with waitpid.
-        drop(child);
+        // Dropping an exec'd shim's `Child` neither kills nor waits; `poll` reaps it with
+        // waitpid (a forked one, the launcher reaps).
+        drop(shim);
         self.entries.insert(
             id,
             Entry {
                 record,
                 dirty: false,
+                // Just started: nothing to look for yet.
+                exit_checked_at_ms: now_ms(),
             },
         );
         self.pending.push(RuntimeEvent::Started {
@@ -559,7 +596,10 @@ impl Runtime {
         // record, which has the exit, remains and the exit is reported again: the safe
         // direction).
         remove_if_present(&self.layout.legacy_exit_file(allocation_id))?;
-        self.log.forget(allocation_id)?;
+        // Lost in a power failure, the record comes back and its exit is reported again,
+        // which the control plane ignores: no sync of its own.
+        self.log
+            .forget_with(allocation_id, Durability::WithNextSync)?;
         self.entries.remove(&allocation_id);
         self.pending.retain(|event| match event {
             RuntimeEvent::Started {
@@ -721,15 +761,109 @@ impl Runtime {
 
     /// Undoes a launch whose shim was spawned but not released: the command never ran, so
     /// killing the shim (alone in its new group) and forgetting the record leaves no trace.
-    fn abort_launch(&mut self, id: u64, mut child: Child) {
-        drop(child.stdin.take()); // EOF: the shim exits by itself even if kill fails.
-        let _ = child.kill();
-        let _ = child.wait();
+    fn abort_launch(&mut self, id: u64, shim: StartedShim) {
+        match shim {
+            StartedShim::Direct(mut child) => {
+                drop(child.stdin.take()); // EOF: the shim exits by itself even if kill fails.
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            StartedShim::Forked(pid) => {
+                // Its go pipe closes: it exits by itself even if the kill fails. The launcher
+                // reaps it.
+                if let Some(launcher) = self.launcher.as_mut()
+                    && let Err(e) = launcher.abort(pid)
+                {
+                    self.launcher_failed(&e);
+                }
+                // SAFETY: kill(2); the pid is our launcher's unreleased child, which cannot
+                // have been reaped while its go pipe was open in the launcher... unless it
+                // died, in which case the group is empty and this fails harmlessly.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
+        }
         if let Some(entry_record) = self.log_record(id) {
             self.remove_cgroup(&entry_record);
         }
         if let Err(e) = self.log.forget(id) {
             tracing::error!(allocation = id, error = %e, "cannot remove record of an aborted launch; the next start reports it as vanished");
+        }
+    }
+
+    /// Starts the launcher if the configuration wants one and none runs (not more than once
+    /// per [`LAUNCHER_RETRY`] after a failure).
+    fn ensure_launcher(&mut self) {
+        if !self.config.launcher
+            || self.launcher.is_some()
+            || self
+                .launcher_failed_at
+                .is_some_and(|t| t.elapsed() < LAUNCHER_RETRY)
+        {
+            return;
+        }
+        match Launcher::start(&self.config.shim_program, &self.config.shim_args) {
+            Ok(launcher) => {
+                tracing::info!(program = %self.config.shim_program.display(), "shim launcher started: shims are forked, not exec'd");
+                self.launcher = Some(launcher);
+            }
+            Err(e) => self.launcher_failed(&e),
+        }
+    }
+
+    /// Drops a launcher that failed (it is killed); shims are exec'd until it is restarted.
+    fn launcher_failed(&mut self, error: &io::Error) {
+        tracing::warn!(%error, "shim launcher failed; exec'ing each shim instead (retried in a minute)");
+        self.launcher = None;
+        self.launcher_failed_at = Some(std::time::Instant::now());
+    }
+
+    /// Execs the shim program for one launch (no launcher).
+    fn exec_shim(
+        &self,
+        shim_args: &ShimArgs,
+        env: &BTreeMap<String, String>,
+        workdir: &std::path::Path,
+        shim_stderr: File,
+    ) -> io::Result<StartedShim> {
+        let mut command = Command::new(&self.config.shim_program);
+        command
+            .args(&self.config.shim_args)
+            .args(shim_args.to_args())
+            .env_clear()
+            .envs(env)
+            // The job's directory, or a writable per-allocation one for scratch files.
+            .current_dir(workdir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(shim_stderr)
+            // The shim leads its own process group from its first instruction, so `stop` can
+            // signal the group even if it comes before the shim has run at all. Set by
+            // posix_spawn, not by a closure between fork and exec: with no closure, std
+            // starts the shim with vfork semantics instead of copying the agent's address
+            // space (page tables of a multi-threaded process) for every launch.
+            .process_group(0);
+        command.spawn().map(StartedShim::Direct)
+    }
+
+    /// Sends the go byte: the shim starts the command.
+    fn release(&mut self, shim: &StartedShim) -> io::Result<()> {
+        match shim {
+            StartedShim::Direct(child) => {
+                let mut go = child
+                    .stdin
+                    .as_ref()
+                    .ok_or_else(|| io::Error::other("no pipe to the shim"))?;
+                // A shim that died already makes this fail with EPIPE rather than raising
+                // SIGPIPE, because Rust programs (the agent, the test harness) ignore SIGPIPE.
+                go.write_all(b"G")
+            }
+            StartedShim::Forked(pid) => {
+                let launcher = self
+                    .launcher
+                    .as_mut()
+                    .ok_or_else(|| io::Error::other("the shim launcher is gone"))?;
+                launcher.go(*pid)
+            }
         }
     }
 
@@ -780,10 +914,14 @@ impl Runtime {
     }
 
     fn persist(&mut self, id: u64) {
+        self.persist_with(id, Durability::Synced);
+    }
+
+    fn persist_with(&mut self, id: u64, durability: Durability) {
         let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
-        match self.log.put(&entry.record) {
+        match self.log.put_with(&entry.record, durability) {
             Ok(()) => entry.dirty = false,
             Err(e) => {
                 tracing::error!(allocation = id, error = %e, "cannot persist allocation state; will retry");
@@ -820,15 +958,21 @@ impl Runtime {
         let (Some(pid), Some(ticks)) = (record.shim_pid, record.shim_start_ticks) else {
             return;
         };
-        let exit_file = self.exit_file(id);
         match probe(pid, ticks) {
             Probe::Running => {
-                if exit_file.exists() {
-                    // The command has ended and the shim is about to kill its group and
-                    // itself; make sure of it (a stopped or stuck shim) and report once it is
-                    // gone, so that no process of the allocation remains when we report.
-                    let _ = signal_group(pid, libc::SIGKILL);
-                    return;
+                // A safety net for a stuck shim, looked at once a second rather than on every
+                // poll: polls come with every launch and exit, and each look is a lookup.
+                if now >= entry.exit_checked_at_ms.saturating_add(EXIT_FILE_CHECK_MS) {
+                    if let Some(entry) = self.entries.get_mut(&id) {
+                        entry.exit_checked_at_ms = now;
+                    }
+                    if self.exit_file(id).exists() {
+                        // The command has ended and the shim is about to kill its group and
+                        // itself; make sure of it (a stopped or stuck shim) and report once it
+                        // is gone, so that no process of the allocation remains when we report.
+                        let _ = signal_group(pid, libc::SIGKILL);
+                        return;
+                    }
                 }
                 self.enforce_deadlines(id, pid, now);
             }
@@ -1007,7 +1151,9 @@ impl Runtime {
         });
         let cgroup = entry.record.cgroup.clone();
         let failure = entry.record.stop.as_ref().and_then(|s| s.failure.clone());
-        self.persist(id);
+        // No sync of its own: after a power failure the record without its exit is settled
+        // again the same way, from the shim's exit file (synced) or the shim's absence.
+        self.persist_with(id, Durability::WithNextSync);
         if let Some(cg) = cgroup
             && let Err(e) = cg.remove()
         {
@@ -1146,6 +1292,7 @@ mod tests {
             // Never spawned in these tests.
             shim_program: PathBuf::from("/nonexistent/node-agent"),
             shim_args: vec!["shim".to_string()],
+            launcher: false,
             stop_grace: Duration::from_secs(1),
             lease_file: None,
             fence_grace: Duration::from_secs(1),

@@ -195,6 +195,10 @@ pub struct RuntimeConfig {
     pub shim_program: PathBuf,
     /// Arguments placed before the shim's own options, normally `["shim"]`.
     pub shim_args: Vec<String>,
+    /// Fork shims from one pre-started launcher (`shim_program shim_args --launcher`) rather
+    /// than exec `shim_program` for every allocation; falls back to exec'ing where the
+    /// launcher cannot start or fails.
+    pub launcher: bool,
     /// Time between SIGTERM and SIGKILL when stopping a process group.
     pub stop_grace: Duration,
     /// A file holding the agent's lease expiry (ms since the Unix epoch). Each shim reads it
@@ -227,6 +231,7 @@ impl RuntimeConfig {
             state_dir: state_dir.into(),
             shim_program,
             shim_args: vec!["shim".to_string()],
+            launcher: true,
             stop_grace: DEFAULT_STOP_GRACE,
             lease_file: None,
             fence_grace: DEFAULT_FENCE_GRACE,

@@ -941,6 +941,18 @@ fn parent_of(pid: u32) -> u32 {
         .unwrap_or_else(|| panic!("no stat for process {pid}"))
 }
 
+/// Whether this process may set a process's command line (CAP_SYS_RESOURCE, which a root
+/// agent on a host has and one in a container usually lacks).
+fn has_cap_sys_resource() -> bool {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("CapEff:"))?;
+            u64::from_str_radix(line.split_whitespace().nth(1)?, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << 24) != 0)
+}
+
 fn cmdline(pid: u32) -> String {
     fs::read_to_string(format!("/proc/{pid}/cmdline"))
         .unwrap_or_default()
@@ -966,8 +978,18 @@ fn shims_are_forked_by_the_launcher_and_exec_d_without_one() {
             .expect("launch");
         let pid = rt.pid(1).expect("a shim pid");
         let parent = parent_of(pid);
+        // `ps` tells the shim apart: its command line names its files in the state directory
+        // (a forked one's as an exec'd one's, where the agent may set it; else the launcher's,
+        // which names the directory too).
+        let state_dir = state.path().to_string_lossy().into_owned();
+        assert!(cmdline(pid).contains(&state_dir), "{:?}", cmdline(pid));
         if launcher {
             assert_ne!(parent, std::process::id(), "the launcher forks the shim");
+            if has_cap_sys_resource() {
+                wait_until("the forked shim to show its own arguments", || {
+                    cmdline(pid).contains("shim --await-go --exit-file")
+                });
+            }
             assert!(
                 cmdline(parent).contains("shim --launcher"),
                 "the shim's parent is {:?}",

@@ -97,11 +97,14 @@ pub(crate) struct Launcher {
 }
 
 impl Launcher {
-    /// Starts `program args... --launcher` and waits for its [`Reply::Ready`].
-    pub(crate) fn start(program: &Path, args: &[String]) -> io::Result<Launcher> {
+    /// Starts `program args... --launcher STATE_DIR` and waits for its [`Reply::Ready`]. The
+    /// state directory is there for whoever reads the command line (`ps`, or a test harness
+    /// finding an agent's processes), as an exec'd shim's names its files there.
+    pub(crate) fn start(program: &Path, args: &[String], state_dir: &Path) -> io::Result<Launcher> {
         let mut child = Command::new(program)
             .args(args)
             .arg(LAUNCHER_FLAG)
+            .arg(state_dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -355,6 +358,16 @@ fn reap_shims(go_pipes: &mut HashMap<u32, OwnedFd>) {
 /// Forks one shim; returns its pid and the write end of its go pipe.
 fn fork_shim(request: SpawnRequest) -> io::Result<(u32, OwnedFd)> {
     let args = ShimArgs::parse(&request.args).map_err(io::Error::other)?;
+    // The forked shim's command line, as an exec'd shim's would read: this program as it
+    // was started, before `--launcher`, then the shim's arguments.
+    let mut title = Vec::new();
+    for arg in std::env::args_os()
+        .take_while(|a| a != LAUNCHER_FLAG)
+        .chain(request.args.iter().map(Into::into))
+    {
+        title.extend_from_slice(arg.as_bytes());
+        title.push(0);
+    }
     // Everything the child needs is prepared before the fork, so that the child only makes
     // system calls before it becomes the shim.
     let workdir = c_path(&request.workdir)?;
@@ -376,7 +389,10 @@ fn fork_shim(request: SpawnRequest) -> io::Result<(u32, OwnedFd)> {
     }
     if pid == 0 {
         let code = match become_shim(&go_read, &workdir, &stderr, &devnull) {
-            Ok(()) => run_shim(args, Some(request.env)),
+            Ok(()) => {
+                set_command_line(&title);
+                run_shim(args, Some(request.env))
+            }
             Err(e) => {
                 eprintln!("node-agent shim: cannot set up the forked shim: {e}");
                 super::shim::EXIT_USAGE
@@ -434,6 +450,24 @@ fn become_shim(
         check(libc::chdir(workdir.as_ptr()))?;
     }
     Ok(())
+}
+
+/// Points this process's command line (`/proc/self/cmdline`, what `ps` shows) at `title`:
+/// NUL-separated arguments that stay in memory for the rest of the process's life. Needs
+/// CAP_SYS_RESOURCE (an agent running as root has it); without it the shim keeps the
+/// launcher's command line, which still names the agent's state directory.
+fn set_command_line(title: &[u8]) {
+    let start = title.as_ptr() as libc::c_ulong;
+    let end = start + title.len() as libc::c_ulong;
+    // SAFETY: prctl only records the addresses; `title` is never freed in this process (it
+    // ends with `_exit` before the frame holding it returns). The start is set first: the
+    // kernel checks start <= end against the current end, and heap addresses lie below the
+    // stack where the original arguments are.
+    unsafe {
+        if libc::prctl(libc::PR_SET_MM, libc::PR_SET_MM_ARG_START, start, 0, 0) == 0 {
+            libc::prctl(libc::PR_SET_MM, libc::PR_SET_MM_ARG_END, end, 0, 0);
+        }
+    }
 }
 
 fn c_path(path: &Path) -> io::Result<CString> {

@@ -226,7 +226,8 @@ pub fn shim_command(own_exe: PathBuf, subcommand: &str) -> (PathBuf, Vec<String>
 /// Returns the shim's exit code (in practice it usually ends by its own group SIGKILL, see
 /// the module documentation).
 pub fn shim_main(args: Vec<String>) -> i32 {
-    if args.len() == 1 && args[0] == super::launcher::LAUNCHER_FLAG {
+    // `--launcher [STATE_DIR]`: the directory only labels the launcher's command line.
+    if (1..=2).contains(&args.len()) && args[0] == super::launcher::LAUNCHER_FLAG {
         return super::launcher::launcher_main();
     }
     match ShimArgs::parse(&args) {

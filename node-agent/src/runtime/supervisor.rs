@@ -801,7 +801,11 @@ impl Runtime {
         {
             return;
         }
-        match Launcher::start(&self.config.shim_program, &self.config.shim_args) {
+        match Launcher::start(
+            &self.config.shim_program,
+            &self.config.shim_args,
+            &self.config.state_dir,
+        ) {
             Ok(launcher) => {
                 tracing::info!(program = %self.config.shim_program.display(), "shim launcher started: shims are forked, not exec'd");
                 self.launcher = Some(launcher);

@@ -34,10 +34,16 @@ fn status_page_renders_every_page_of_a_filled_fleet() {
 }
 
 #[test]
-fn end_to_end_completes_every_job_on_both_sides() {
-    let j = bench_json(&["e2e", "--jobs", "100"]);
+fn end_to_end_completes_every_job_on_both_sides_and_with_exec_shims() {
+    let j = bench_json(&["e2e", "--jobs", "100", "--with-exec-shims-too"]);
     assert_eq!(j["benchmark"], "e2e");
     assert_eq!(j["gpucp_completed"], 100, "{j}");
+    // The same jobs with each shim exec'd rather than forked by the agents' launchers.
+    assert!(
+        j["gpucp_exec_shims_jobs_per_sec"].as_f64().unwrap() > 0.0,
+        "{j}"
+    );
+    assert!(j["launcher_saving_ms_per_job"].is_number(), "{j}");
     assert_eq!(j["slurm_completed"], 100, "{j}");
     assert!(j["gpucp_jobs_per_sec"].as_f64().unwrap() > 0.0, "{j}");
     assert!(j["slurm_jobs_per_sec"].as_f64().unwrap() > 0.0, "{j}");

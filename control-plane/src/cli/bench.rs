@@ -275,6 +275,11 @@ pub enum BenchCommand {
         /// `sleep`, built with the local Docker engine), and report what a container costs.
         #[arg(long)]
         with_containers_too: bool,
+        /// Also run our side with each job's supervisor started by exec rather than forked
+        /// by the agent's launcher (`node-agent --shim-start exec`), and report what the
+        /// launcher saves each job.
+        #[arg(long)]
+        with_exec_shims_too: bool,
     },
     /// Agent rollout: every agent of a fleet of real agent processes (simulated GPUs, real
     /// jobs) restarted in place onto a newly installed binary, --max-unavailable at a time,
@@ -352,6 +357,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         skip_slurm,
         without_cgroups_too,
         with_containers_too,
+        with_exec_shims_too,
     } = command
     {
         let args = super::bench_e2e::Args {
@@ -361,6 +367,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             skip_slurm,
             without_cgroups_too,
             with_containers_too,
+            with_exec_shims_too,
         };
         return super::bench_e2e::run(args, keep_data, fmt);
     }

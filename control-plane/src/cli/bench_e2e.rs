@@ -35,6 +35,9 @@ pub struct Args {
     /// Also run ours with every job in a container (an image of this host's `sleep`), to
     /// measure what a container costs a job.
     pub with_containers_too: bool,
+    /// Also run ours with shims exec'd per job instead of forked by the agents' launchers, to
+    /// measure what the launcher saves a job.
+    pub with_exec_shims_too: bool,
 }
 
 /// How our side runs its jobs.
@@ -46,6 +49,53 @@ enum Variant {
     Unenforced,
     /// Each job in a container of [`BENCH_IMAGE`], with cgroups.
     Containers,
+    /// Processes with cgroups, each job's shim exec'd rather than forked by the launcher.
+    ExecShims,
+}
+
+impl Variant {
+    /// Its row in the table.
+    fn label(self) -> &'static str {
+        match self {
+            Variant::Enforced => "gpu-control-plane",
+            Variant::Unenforced => "gpu-control-plane (--cgroups off)",
+            Variant::Containers => "gpu-control-plane (--image: containers)",
+            Variant::ExecShims => "gpu-control-plane (--shim-start exec)",
+        }
+    }
+
+    /// Prefix of its figures in the JSON.
+    fn json_key(self) -> &'static str {
+        match self {
+            Variant::Enforced => "gpucp",
+            Variant::Unenforced => "gpucp_without_cgroups",
+            Variant::Containers => "gpucp_containers",
+            Variant::ExecShims => "gpucp_exec_shims",
+        }
+    }
+
+    /// What it adds to or takes from a job against the default (cgroups, forked shims),
+    /// named for the report: the time of the slower side minus the faster one's.
+    fn cost(self) -> Option<(&'static str, &'static str, bool)> {
+        match self {
+            Variant::Enforced => None,
+            Variant::Unenforced => Some((
+                "enforcement_cost_ms_per_job",
+                "enforcement cost per job (cgroup created, joined, emptied, read, removed)",
+                false,
+            )),
+            Variant::Containers => Some((
+                "container_cost_ms_per_job",
+                "container cost per job over a process with cgroups (create, attach, start, wait, remove through the engine)",
+                true,
+            )),
+            Variant::ExecShims => Some((
+                "launcher_saving_ms_per_job",
+                "what forking shims from the launcher saves per job (against exec'ing each)",
+                true,
+            )),
+        }
+    }
 }
 
 /// The image container jobs run: this host's `sleep` and its libraries.
@@ -114,48 +164,35 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
         ours.jobs_per_sec(),
         ours.enforcement
     );
-    let unenforced = if args.without_cgroups_too {
-        eprintln!("gpu-control-plane with --cgroups off: same shape...");
-        let r = run_ours(
-            &args,
-            preset,
-            data_dir.join("without-cgroups"),
-            Variant::Unenforced,
-        )
-        .context("the gpu-control-plane side without cgroups failed")?;
-        eprintln!(
-            "gpu-control-plane without cgroups: {} jobs in {:.2} s ({:.0} jobs/s)",
-            r.succeeded,
-            r.seconds,
-            r.jobs_per_sec()
-        );
-        Some(r)
-    } else {
-        None
-    };
-    let contained = if args.with_containers_too {
+    let mut variants = Vec::new();
+    if args.without_cgroups_too {
+        variants.push(Variant::Unenforced);
+    }
+    if args.with_exec_shims_too {
+        variants.push(Variant::ExecShims);
+    }
+    if args.with_containers_too {
         if !crate::host_image::engine_available() {
             bail!("--with-containers-too needs the local Docker engine, which does not answer");
         }
         crate::host_image::build(BENCH_IMAGE, &["sleep"])?;
-        eprintln!("gpu-control-plane with every job in a container: same shape...");
-        let r = run_ours(
-            &args,
-            preset,
-            data_dir.join("containers"),
-            Variant::Containers,
-        )
-        .context("the gpu-control-plane side with containers failed")?;
+        variants.push(Variant::Containers);
+    }
+    let mut others = Vec::new();
+    for variant in variants {
+        eprintln!("{}: same shape...", variant.label());
+        let dir = data_dir.join(variant.json_key());
+        let r = run_ours(&args, preset, dir, variant)
+            .with_context(|| format!("the side {:?} failed", variant.label()))?;
         eprintln!(
-            "gpu-control-plane with containers: {} jobs in {:.2} s ({:.1} jobs/s)",
+            "{}: {} jobs in {:.2} s ({:.1} jobs/s)",
+            variant.label(),
             r.succeeded,
             r.seconds,
             r.jobs_per_sec()
         );
-        Some(r)
-    } else {
-        None
-    };
+        others.push((variant, r));
+    }
     let slurm = if args.skip_slurm {
         None
     } else {
@@ -176,24 +213,17 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
         Some(r)
     };
     drop(ours_dir);
-    let (text, json) = report(
-        &args,
-        &ours,
-        unenforced.as_ref(),
-        contained.as_ref(),
-        slurm.as_ref(),
-    );
+    let (text, json) = report(&args, &ours, &others, slurm.as_ref());
     match fmt {
         Format::Json | Format::Yaml => println!("{json}"),
         Format::Table | Format::Wide => print!("{text}"),
     }
     // The smoke run in CI relies on this: every job of each side must have succeeded.
-    for (side, r) in [
-        ("gpu-control-plane", Some(&ours)),
-        ("gpu-control-plane without cgroups", unenforced.as_ref()),
-        ("gpu-control-plane with containers", contained.as_ref()),
-        ("Slurm", slurm.as_ref()),
-    ] {
+    let sides = [(Variant::Enforced.label(), Some(&ours))]
+        .into_iter()
+        .chain(others.iter().map(|(v, r)| (v.label(), Some(r))))
+        .chain([("Slurm", slurm.as_ref())]);
+    for (side, r) in sides {
         if let Some(r) = r
             && (r.succeeded != args.jobs || !r.other.is_empty())
         {
@@ -211,45 +241,44 @@ pub fn run(args: Args, keep_data: Option<PathBuf>, fmt: Format) -> anyhow::Resul
 fn report(
     args: &Args,
     ours: &SideResult,
-    unenforced: Option<&SideResult>,
-    contained: Option<&SideResult>,
+    others: &[(Variant, SideResult)],
     slurm: Option<&SideResult>,
 ) -> (String, serde_json::Value) {
-    let mut rows = vec![vec![
-        format!("gpu-control-plane ({})", ours.enforcement),
-        ours.succeeded.to_string(),
-        format!("{:.2}", ours.seconds),
-        format!("{:.1}", ours.jobs_per_sec()),
-    ]];
-    if let Some(u) = unenforced {
-        rows.push(vec![
-            "gpu-control-plane (--cgroups off)".to_owned(),
-            u.succeeded.to_string(),
-            format!("{:.2}", u.seconds),
-            format!("{:.1}", u.jobs_per_sec()),
-        ]);
-    }
-    if let Some(c) = contained {
-        rows.push(vec![
-            "gpu-control-plane (--image: containers)".to_owned(),
-            c.succeeded.to_string(),
-            format!("{:.2}", c.seconds),
-            format!("{:.1}", c.jobs_per_sec()),
-        ]);
-    }
+    let row = |label: String, r: &SideResult| {
+        vec![
+            label,
+            r.succeeded.to_string(),
+            format!("{:.2}", r.seconds),
+            format!("{:.1}", r.jobs_per_sec()),
+        ]
+    };
+    let mut rows = vec![row(
+        format!("{} ({})", Variant::Enforced.label(), ours.enforcement),
+        ours,
+    )];
     // Each GPU runs its jobs one after another, so the extra wall time per job on one GPU is
     // the difference in run time times the GPUs, over the jobs.
     let gpus = (args.hosts * args.gpus_per_host) as f64;
     let per_job_ms = |more: f64, less: f64| (more - less) * gpus / args.jobs as f64 * 1000.0;
-    let cgroup_cost_ms = unenforced.map(|u| per_job_ms(ours.seconds, u.seconds));
-    let container_cost_ms = contained.map(|c| per_job_ms(c.seconds, ours.seconds));
+    let mut json = serde_json::Map::new();
+    let mut costs = Vec::new();
+    for (variant, r) in others {
+        rows.push(row(variant.label().to_owned(), r));
+        let key = variant.json_key();
+        json.insert(format!("{key}_seconds"), json!(r.seconds));
+        json.insert(format!("{key}_jobs_per_sec"), json!(r.jobs_per_sec()));
+        if let Some((cost_key, words, slower)) = variant.cost() {
+            let ms = if slower {
+                per_job_ms(r.seconds, ours.seconds)
+            } else {
+                per_job_ms(ours.seconds, r.seconds)
+            };
+            json.insert(cost_key.to_owned(), json!(ms));
+            costs.push(format!("{words}: {ms:.1} ms of GPU time\n"));
+        }
+    }
     if let Some(s) = slurm {
-        rows.push(vec![
-            "slurm (tuned)".to_owned(),
-            s.succeeded.to_string(),
-            format!("{:.2}", s.seconds),
-            format!("{:.1}", s.jobs_per_sec()),
-        ]);
+        rows.push(row("slurm (tuned)".to_owned(), s));
     }
     let ratio = slurm.map(|s| ours.jobs_per_sec() / s.jobs_per_sec());
     let mut text = format!(
@@ -263,38 +292,35 @@ fn report(
     if let Some(r) = ratio {
         text.push_str(&format!("ratio (ours / Slurm's jobs/s): {r:.1}x\n"));
     }
-    if let Some(c) = cgroup_cost_ms {
-        text.push_str(&format!(
-            "enforcement cost per job (cgroup created, joined, emptied, read, removed): {c:.1} ms of GPU time\n"
-        ));
+    for line in costs {
+        text.push_str(&line);
     }
-    if let Some(c) = container_cost_ms {
-        text.push_str(&format!(
-            "container cost per job over a process with cgroups (create, attach, start, wait, remove through the engine): {c:.1} ms of GPU time\n"
-        ));
-    }
-    let json = json!({
-        "benchmark": "e2e",
-        "hosts": args.hosts,
-        "gpus_per_host": args.gpus_per_host,
-        "jobs": args.jobs,
-        "gpucp_seconds": ours.seconds,
-        "gpucp_completed": ours.succeeded,
-        "gpucp_jobs_per_sec": ours.jobs_per_sec(),
-        "gpucp_enforcement": ours.enforcement,
-        "gpucp_without_cgroups_seconds": unenforced.map(|u| u.seconds),
-        "gpucp_without_cgroups_jobs_per_sec": unenforced.map(|u| u.jobs_per_sec()),
-        "enforcement_cost_ms_per_job": cgroup_cost_ms,
-        "gpucp_containers_seconds": contained.map(|c| c.seconds),
-        "gpucp_containers_jobs_per_sec": contained.map(|c| c.jobs_per_sec()),
-        "container_cost_ms_per_job": container_cost_ms,
-        "slurm_seconds": slurm.map(|s| s.seconds),
-        "slurm_completed": slurm.map(|s| s.succeeded),
-        "slurm_jobs_per_sec": slurm.map(|s| s.jobs_per_sec()),
-        "slurm_scheduler_parameters": slurm.map(|_| bench_slurm::SCHEDULER_PARAMETERS),
-        "ratio": ratio,
-        "hold": "nodes drained during submission, undrained at release",
-    });
+    json.extend(
+        [
+            ("benchmark", json!("e2e")),
+            ("hosts", json!(args.hosts)),
+            ("gpus_per_host", json!(args.gpus_per_host)),
+            ("jobs", json!(args.jobs)),
+            ("gpucp_seconds", json!(ours.seconds)),
+            ("gpucp_completed", json!(ours.succeeded)),
+            ("gpucp_jobs_per_sec", json!(ours.jobs_per_sec())),
+            ("gpucp_enforcement", json!(ours.enforcement)),
+            ("slurm_seconds", json!(slurm.map(|s| s.seconds))),
+            ("slurm_completed", json!(slurm.map(|s| s.succeeded))),
+            ("slurm_jobs_per_sec", json!(slurm.map(|s| s.jobs_per_sec()))),
+            (
+                "slurm_scheduler_parameters",
+                json!(slurm.map(|_| bench_slurm::SCHEDULER_PARAMETERS)),
+            ),
+            ("ratio", json!(ratio)),
+            (
+                "hold",
+                json!("nodes drained during submission, undrained at release"),
+            ),
+        ]
+        .map(|(k, v)| (k.to_owned(), v)),
+    );
+    let json = serde_json::Value::Object(json);
     (text, json)
 }
 
@@ -328,6 +354,12 @@ fn run_ours(
                     "require"
                 } else {
                     "off"
+                },
+                "--shim-start",
+                if variant == Variant::ExecShims {
+                    "exec"
+                } else {
+                    "fork"
                 },
                 "--image-pull",
                 "never",

@@ -207,39 +207,63 @@ impl Cgroups {
 
     /// Creates allocation `name`'s cgroup with `limits` (a leftover of the same name, from
     /// an earlier attempt, is emptied and replaced), and says what it enforces.
+    ///
+    /// On v1, a hierarchy in which the allocation has nothing to limit or count (`cpu`
+    /// without a CPU quota, `cpuset` without NUMA pinning) gets no directory of its own: the
+    /// job joins the node's parent cgroup there, which keeps it out of the agent's own
+    /// cgroup at the cost of one write instead of a directory made and removed per job.
     pub fn create(&self, name: &str, limits: &Limits) -> io::Result<(AllocationCgroup, Enforced)> {
-        let cg = self.open(name);
-        let made = self.create_dirs(name, limits);
-        let enforced = match made {
+        let (cg, own) = self.plan(name, limits);
+        let enforced = match self.make(&cg, &own, limits) {
             // Rare (an agent that died between creating and recording a cgroup): checked on
             // this path only, so a launch does not pay a lookup per controller for it.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                cg.kill_all()?;
-                cg.remove()?;
-                self.create_dirs(name, limits)?
+                let leftover = self.open(name);
+                leftover.kill_all()?;
+                leftover.remove()?;
+                self.make(&cg, &own, limits)?
             }
             other => other?,
         };
         Ok((cg, enforced))
     }
 
-    fn create_dirs(&self, name: &str, limits: &Limits) -> io::Result<Enforced> {
-        match &self.hierarchy {
-            Hierarchy::V1 { controllers } => {
-                let mut dirs: std::collections::BTreeMap<PathBuf, Vec<mounts::V1Controller>> =
-                    Default::default();
-                for (c, mount) in allocation_controllers(controllers) {
-                    dirs.entry(mount.join(&self.parent).join(name))
-                        .or_default()
-                        .push(c);
-                }
-                v1::create(&dirs, limits)
+    /// The allocation's cgroup for `limits`, and on v1 the controllers of each directory of
+    /// its own.
+    fn plan(&self, name: &str, limits: &Limits) -> (AllocationCgroup, V1Dirs) {
+        let Hierarchy::V1 { controllers } = &self.hierarchy else {
+            return (self.open(name), V1Dirs::new());
+        };
+        let needs_own = |c: mounts::V1Controller| match c {
+            mounts::V1Controller::Cpu => limits.cpu_milli.is_some(),
+            mounts::V1Controller::Cpuset => limits.cpus.is_some() || limits.mems.is_some(),
+            _ => true,
+        };
+        let mut by_mount = V1Dirs::new();
+        for (c, mount) in allocation_controllers(controllers) {
+            by_mount.entry(mount.clone()).or_default().push(c);
+        }
+        let mut own = V1Dirs::new();
+        let mut joins = Vec::new();
+        for (mount, here) in by_mount {
+            // Co-mounted controllers (`cpu,cpuacct`) share a directory: one that needs it
+            // decides for all.
+            if here.iter().any(|c| needs_own(*c)) {
+                own.insert(mount.join(&self.parent).join(name), here);
+            } else {
+                joins.push(mount.join(&self.parent));
             }
-            Hierarchy::V2 { root } => v2::create(
-                &root.join(&self.parent).join(name),
-                limits,
-                self.devices.is_ok(),
-            ),
+        }
+        let mut cg = self.open(name);
+        cg.dirs = own.keys().cloned().collect();
+        cg.joins = joins;
+        (cg, own)
+    }
+
+    fn make(&self, cg: &AllocationCgroup, own: &V1Dirs, limits: &Limits) -> io::Result<Enforced> {
+        match &self.hierarchy {
+            Hierarchy::V1 { .. } => v1::create(own, limits),
+            Hierarchy::V2 { .. } => v2::create(&cg.dirs[0], limits, self.devices.is_ok()),
         }
     }
 
@@ -254,6 +278,7 @@ impl Cgroups {
                     .collect::<std::collections::BTreeSet<_>>()
                     .into_iter()
                     .collect(),
+                joins: Vec::new(),
                 freezer: controllers
                     .get(&mounts::V1Controller::Freezer)
                     .map(|m| m.join(&self.parent).join(name)),
@@ -269,6 +294,7 @@ impl Cgroups {
                 AllocationCgroup {
                     v2: true,
                     dirs: vec![dir.clone()],
+                    joins: Vec::new(),
                     freezer: Some(dir.clone()),
                     memory: Some(dir.clone()),
                     cpuacct: Some(dir),
@@ -278,8 +304,12 @@ impl Cgroups {
     }
 }
 
-/// The v1 controllers an allocation gets a directory in: all the host has but `pids`, which
-/// limits nothing here (each directory costs a create, a join and a removal per launch).
+/// v1 directories to create, with the controllers mounted at each.
+type V1Dirs = std::collections::BTreeMap<PathBuf, Vec<mounts::V1Controller>>;
+
+/// The v1 controllers an allocation is placed in: all the host has but `pids`, which limits
+/// nothing here (each directory costs a create, a join and a removal per launch). Which of
+/// them get a directory of the allocation's own is [`Cgroups::create`]'s choice.
 fn allocation_controllers(
     controllers: &std::collections::BTreeMap<mounts::V1Controller, PathBuf>,
 ) -> impl Iterator<Item = (mounts::V1Controller, &PathBuf)> {
@@ -294,7 +324,12 @@ fn allocation_controllers(
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AllocationCgroup {
     v2: bool,
+    /// The allocation's own directories: created, joined, emptied and removed.
     dirs: Vec<PathBuf>,
+    /// v1: the node's parent cgroups of hierarchies where the allocation has none of its
+    /// own (see [`Cgroups::create`]): joined only.
+    #[serde(default)]
+    joins: Vec<PathBuf>,
     freezer: Option<PathBuf>,
     memory: Option<PathBuf>,
     cpuacct: Option<PathBuf>,
@@ -308,7 +343,11 @@ impl AllocationCgroup {
     /// The `cgroup.procs` files a process writes "0" to, to join the cgroup: what the shim's
     /// child does between fork and exec.
     pub fn procs_files(&self) -> Vec<PathBuf> {
-        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+        self.dirs
+            .iter()
+            .chain(&self.joins)
+            .map(|d| d.join("cgroup.procs"))
+            .collect()
     }
 
     /// [`Self::procs_files`] as C strings, made before a fork: the child may not allocate.

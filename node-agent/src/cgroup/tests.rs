@@ -475,3 +475,74 @@ fn on_cgroup_v2_a_host_that_refuses_device_programs_says_so_and_still_runs_jobs(
     .join()
     .unwrap();
 }
+
+/// The cgroup of process `pid` in the v1 hierarchy of `controller` (`/proc/PID/cgroup`).
+fn v1_cgroup_of(pid: u32, controller: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()?
+        .lines()
+        .find_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_, names, path) = (parts.next()?, parts.next()?, parts.next()?);
+            names
+                .split(',')
+                .any(|n| n == controller)
+                .then(|| path.to_owned())
+        })
+}
+
+#[test]
+fn on_v1_a_job_without_a_cpu_quota_or_pinning_joins_the_nodes_cpu_and_cpuset_cgroups() {
+    let Some(host) = host() else { return };
+    let Hierarchy::V1 { controllers } = host.hierarchy() else {
+        eprintln!("a v1 layout; not run on v2");
+        return;
+    };
+    let separate_cpu = controllers.get(&mounts::V1Controller::Cpu)
+        != controllers.get(&mounts::V1Controller::Cpuacct);
+    let parent =
+        format!("/{}", host.relative_path("x").parent().unwrap().display()).replace("//", "/");
+    for (name, limits) in [
+        ("alloc-plain", Limits::default()),
+        (
+            "alloc-quota",
+            Limits {
+                cpu_milli: Some(500),
+                ..Limits::default()
+            },
+        ),
+    ] {
+        let (cg, _) = host.create(name, &limits).unwrap();
+        let mut child = spawn_in(&cg, "sleep 1000");
+        let pid = child.id();
+        wait_for("the job to join", Duration::from_secs(10), || {
+            v1_cgroup_of(pid, "memory").is_some_and(|p| p.ends_with(name))
+        });
+        let own = format!("{parent}/{name}");
+        // Accounted and confined in its own directories, whatever its limits.
+        for c in ["memory", "devices", "freezer", "cpuacct"] {
+            assert_eq!(v1_cgroup_of(pid, c).as_deref(), Some(own.as_str()), "{c}");
+        }
+        let cpu = v1_cgroup_of(pid, "cpu").unwrap();
+        if limits.cpu_milli.is_some() || !separate_cpu {
+            assert_eq!(
+                cpu, own,
+                "a quota (or cpuacct beside it) needs its own cpu cgroup"
+            );
+        } else {
+            assert_eq!(
+                cpu, parent,
+                "no quota: the node's cpu cgroup, not the agent's"
+            );
+        }
+        if controllers.contains_key(&mounts::V1Controller::Cpuset) {
+            assert_eq!(
+                v1_cgroup_of(pid, "cpuset").as_deref(),
+                Some(parent.as_str())
+            );
+        }
+        kill_and_remove(&cg);
+        child.wait().unwrap();
+        assert!(!cg.exists());
+    }
+}

@@ -930,6 +930,14 @@ fn an_agent_upgraded_from_per_file_records_readopts_the_running_process() {
     assert_eq!(exits_of(&events, 60), 1, "{events:?}");
 }
 
+/// A job script that waits for the file `release` to exist, then exits with `code`.
+fn exits_once_released(release: &Path, code: i32) -> String {
+    format!(
+        "while [ ! -e {} ]; do sleep 0.02; done; exit {code}",
+        release.display()
+    )
+}
+
 /// The parent of process `pid` (field 4 of its stat line).
 fn parent_of(pid: u32) -> u32 {
     fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -970,10 +978,7 @@ fn shims_are_forked_by_the_launcher_and_exec_d_without_one() {
         })
         .expect("open");
         let release = work.path().join("release");
-        let script = format!(
-            "while [ ! -e {} ]; do sleep 0.02; done; exit 5",
-            release.display()
-        );
+        let script = exits_once_released(&release, 5);
         rt.launch(spec(1, &["GPU-a"], work.path(), &script))
             .expect("launch");
         let pid = rt.pid(1).expect("a shim pid");
@@ -1011,10 +1016,7 @@ fn a_dead_launcher_leaves_running_jobs_alone_and_shims_are_exec_d_meanwhile() {
     let work = tempfile::tempdir().expect("tempdir");
     let mut rt = Runtime::open(config(state.path())).expect("open");
     let release = work.path().join("release");
-    let script = format!(
-        "while [ ! -e {} ]; do sleep 0.02; done; exit 3",
-        release.display()
-    );
+    let script = exits_once_released(&release, 3);
     rt.launch(spec(1, &["GPU-a"], work.path(), &script))
         .expect("launch");
     let first = rt.pid(1).expect("a shim pid");

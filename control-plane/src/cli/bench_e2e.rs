@@ -74,28 +74,40 @@ impl Variant {
         }
     }
 
-    /// What it adds to or takes from a job against the default (cgroups, forked shims),
-    /// named for the report: the time of the slower side minus the faster one's.
-    fn cost(self) -> Option<(&'static str, &'static str, bool)> {
-        match self {
-            Variant::Enforced => None,
-            Variant::Unenforced => Some((
+    /// What it changes in a job's time against the default side (cgroups, forked shims).
+    fn difference(self) -> Option<Difference> {
+        let (json_key, words, slower) = match self {
+            Variant::Enforced => return None,
+            Variant::Unenforced => (
                 "enforcement_cost_ms_per_job",
                 "enforcement cost per job (cgroup created, joined, emptied, read, removed)",
                 false,
-            )),
-            Variant::Containers => Some((
+            ),
+            Variant::Containers => (
                 "container_cost_ms_per_job",
                 "container cost per job over a process with cgroups (create, attach, start, wait, remove through the engine)",
                 true,
-            )),
-            Variant::ExecShims => Some((
+            ),
+            Variant::ExecShims => (
                 "launcher_saving_ms_per_job",
                 "what forking shims from the launcher saves per job (against exec'ing each)",
                 true,
-            )),
-        }
+            ),
+        };
+        Some(Difference {
+            json_key,
+            words,
+            variant_is_slower: slower,
+        })
     }
+}
+
+/// A side's difference from the default one, reported as the slower side's extra time.
+struct Difference {
+    json_key: &'static str,
+    words: &'static str,
+    /// The variant adds the time (containers, exec'd shims) rather than saves it (no cgroups).
+    variant_is_slower: bool,
 }
 
 /// The image container jobs run: this host's `sleep` and its libraries.
@@ -267,14 +279,14 @@ fn report(
         let key = variant.json_key();
         json.insert(format!("{key}_seconds"), json!(r.seconds));
         json.insert(format!("{key}_jobs_per_sec"), json!(r.jobs_per_sec()));
-        if let Some((cost_key, words, slower)) = variant.cost() {
-            let ms = if slower {
+        if let Some(d) = variant.difference() {
+            let ms = if d.variant_is_slower {
                 per_job_ms(r.seconds, ours.seconds)
             } else {
                 per_job_ms(ours.seconds, r.seconds)
             };
-            json.insert(cost_key.to_owned(), json!(ms));
-            costs.push(format!("{words}: {ms:.1} ms of GPU time\n"));
+            json.insert(d.json_key.to_owned(), json!(ms));
+            costs.push(format!("{}: {ms:.1} ms of GPU time\n", d.words));
         }
     }
     if let Some(s) = slurm {

@@ -141,6 +141,26 @@ fn draw_union<'a>(rng: &mut SplitMix64, pools: &[&[&'a TracePod]]) -> &'a TraceP
     unreachable!("k < total")
 }
 
+/// With probability `fraction` a task of the `favoured` pool (named, for the error when it
+/// is empty), otherwise one of the `others`; the favoured pool again where they are empty.
+fn draw_favouring<'a>(
+    rng: &mut SplitMix64,
+    fraction: f64,
+    (favoured, name): (&[&'a TracePod], &'static str),
+    others: &[&[&'a TracePod]],
+) -> Result<&'a TracePod, SynthError> {
+    if unit(rng) < fraction {
+        if favoured.is_empty() {
+            return Err(SynthError::EmptyPool(name));
+        }
+        Ok(draw(rng, favoured))
+    } else if others.iter().any(|p| !p.is_empty()) {
+        Ok(draw_union(rng, others))
+    } else {
+        Ok(draw(rng, favoured))
+    }
+}
+
 /// `count` tasks of the `mix` variant of `pods` (`fraction`: `None` for the mix's default),
 /// named `synth-<mix>-<i>`. `nodes` is the cluster the variant is meant for (the models a
 /// constrained task may name).
@@ -180,32 +200,20 @@ pub fn synthesize(
             draw(&mut rng, &pools.cpu_only).clone()
         } else {
             match mix {
-                Mix::Sharing => {
-                    let whole: [&[&TracePod]; 2] = [&pools.whole_one, &pools.multi];
-                    if unit(&mut rng) < fraction {
-                        if pools.share.is_empty() {
-                            return Err(SynthError::EmptyPool("GPU-sharing"));
-                        }
-                        draw(&mut rng, &pools.share).clone()
-                    } else if pools.whole_one.len() + pools.multi.len() > 0 {
-                        draw_union(&mut rng, &whole).clone()
-                    } else {
-                        draw(&mut rng, &pools.share).clone()
-                    }
-                }
-                Mix::MultiGpu => {
-                    let single: [&[&TracePod]; 2] = [&pools.share, &pools.whole_one];
-                    if unit(&mut rng) < fraction {
-                        if pools.multi.is_empty() {
-                            return Err(SynthError::EmptyPool("multi-GPU"));
-                        }
-                        draw(&mut rng, &pools.multi).clone()
-                    } else if pools.share.len() + pools.whole_one.len() > 0 {
-                        draw_union(&mut rng, &single).clone()
-                    } else {
-                        draw(&mut rng, &pools.multi).clone()
-                    }
-                }
+                Mix::Sharing => draw_favouring(
+                    &mut rng,
+                    fraction,
+                    (&pools.share, "GPU-sharing"),
+                    &[&pools.whole_one, &pools.multi],
+                )?
+                .clone(),
+                Mix::MultiGpu => draw_favouring(
+                    &mut rng,
+                    fraction,
+                    (&pools.multi, "multi-GPU"),
+                    &[&pools.share, &pools.whole_one],
+                )?
+                .clone(),
                 Mix::Constrained | Mix::CpuHeavy => {
                     let all: [&[&TracePod]; 3] = [&pools.share, &pools.whole_one, &pools.multi];
                     let mut pod = draw_union(&mut rng, &all).clone();

@@ -190,19 +190,7 @@ impl Cgroups {
                 .collect(),
             Hierarchy::V2 { root } => vec![root.join(&self.parent)],
         };
-        for d in dirs {
-            match std::fs::remove_dir(&d) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(io::Error::new(
-                        e.kind(),
-                        format!("removing {}: {e}", d.display()),
-                    ));
-                }
-            }
-        }
-        Ok(())
+        dirs.iter().try_for_each(|d| remove_dir_if_present(d))
     }
 
     /// Creates allocation `name`'s cgroup with `limits` (a leftover of the same name, from
@@ -469,22 +457,11 @@ impl AllocationCgroup {
         for dir in &self.dirs {
             // Child cgroups are rare (a container engine's, under a container job's): try the
             // directory alone first, and look for them only when it is not empty.
-            match std::fs::remove_dir(dir) {
-                Ok(()) => continue,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(_) => {}
+            if remove_dir_if_present(dir).is_ok() {
+                continue;
             }
             for d in descendants(dir).into_iter().chain([dir.clone()]) {
-                match std::fs::remove_dir(&d) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => {
-                        return Err(io::Error::new(
-                            e.kind(),
-                            format!("removing {}: {e}", d.display()),
-                        ));
-                    }
-                }
+                remove_dir_if_present(&d)?;
             }
         }
         Ok(())
@@ -500,63 +477,71 @@ struct CgroupDir {
 
 impl CgroupDir {
     fn open(path: &Path) -> io::Result<CgroupDir> {
-        let c = c_string(path.as_os_str())?;
-        // SAFETY: a NUL-terminated path; the result is a new descriptor or -1.
-        let fd = unsafe {
-            libc::open(
-                c.as_ptr(),
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return Err(io::Error::new(
-                e.kind(),
-                format!("opening {}: {e}", path.display()),
-            ));
-        }
-        // SAFETY: a new descriptor nothing else owns.
-        let fd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
+        use std::os::unix::fs::OpenOptionsExt;
+        // O_PATH: a handle for lookups under it, not for reading (the access mode is ignored).
+        let dir = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+            .open(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))?;
         Ok(CgroupDir {
-            fd,
+            fd: dir.into(),
             path: path.to_owned(),
         })
-    }
-
-    fn file(&self, name: &str, flags: libc::c_int) -> io::Result<std::fs::File> {
-        use std::os::fd::AsRawFd;
-        let c = c_string(std::ffi::OsStr::new(name))?;
-        // SAFETY: a valid directory descriptor and a NUL-terminated relative name.
-        let fd = unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a new descriptor nothing else owns.
-        Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
     }
 
     /// Writes `value` to the file `name` in it, in one write (cgroup files take one value
     /// per write).
     fn write(&self, name: &str, value: &str) -> io::Result<()> {
         use std::io::Write;
-        self.file(name, libc::O_WRONLY)
-            .and_then(|mut f| f.write_all(value.as_bytes()))
-            .map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!(
-                        "writing {value:?} to {}: {e}",
-                        self.path.join(name).display()
-                    ),
-                )
-            })
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let in_dir = |e: io::Error| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "writing {value:?} to {}: {e}",
+                    self.path.join(name).display()
+                ),
+            )
+        };
+        let c = std::ffi::CString::new(name)
+            .map_err(|_| in_dir(io::Error::other("the file name contains a NUL byte")))?;
+        // SAFETY: a valid directory descriptor and a NUL-terminated relative name.
+        let fd = unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_WRONLY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(in_dir(io::Error::last_os_error()));
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+        file.write_all(value.as_bytes()).map_err(in_dir)
+    }
+
+    /// [`Self::write`] to a file that only some hosts have (a controller the parent does not
+    /// enable, swap accounting off): `false` where it is absent.
+    fn write_if_present(&self, name: &str, value: &str) -> io::Result<bool> {
+        match self.write(name, value) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 }
 
-fn c_string(s: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
-    use std::os::unix::ffi::OsStrExt;
-    std::ffi::CString::new(s.as_bytes())
-        .map_err(|_| io::Error::other(format!("{s:?} contains a NUL byte")))
+/// Removes an (empty) directory; one already gone is fine.
+fn remove_dir_if_present(dir: &Path) -> io::Result<()> {
+    match std::fs::remove_dir(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io::Error::new(
+            e.kind(),
+            format!("removing {}: {e}", dir.display()),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Joins the calling process to the cgroup whose `cgroup.procs` files are `files` (from

@@ -89,10 +89,7 @@ pub fn create(
         {
             dir.write("memory.limit_in_bytes", &bytes.to_string())?;
             // Present only with swap accounting; must not be below limit_in_bytes.
-            match dir.write("memory.memsw.limit_in_bytes", &bytes.to_string()) {
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                other => other?,
-            }
+            dir.write_if_present("memory.memsw.limit_in_bytes", &bytes.to_string())?;
             enforced.memory = true;
         }
         if has(V1Controller::Cpu)

@@ -81,33 +81,28 @@ pub fn create(dir: &Path, limits: &Limits, devices: bool) -> io::Result<Enforced
 
 fn apply(path: &Path, limits: &Limits, devices: bool) -> io::Result<Enforced> {
     let dir = CgroupDir::open(path)?;
-    // A controller the parent does not enable has no files here: its write fails with
-    // NotFound and the limit is reported as not enforced (no lookup first).
-    let optional = |written: io::Result<()>| match written {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
-    };
+    // A controller the parent does not enable has no files here: the limit is reported as
+    // not enforced (no lookup first).
     let mut enforced = Enforced {
         hierarchy: "cgroup v2".into(),
         ..Enforced::default()
     };
     if let Some(bytes) = limits.memory_bytes
-        && optional(dir.write("memory.max", &bytes.to_string()))?
+        && dir.write_if_present("memory.max", &bytes.to_string())?
     {
         // Present only with swap accounting.
-        optional(dir.write("memory.swap.max", "0"))?;
+        dir.write_if_present("memory.swap.max", "0")?;
         enforced.memory = true;
     }
     if let Some(milli) = limits.cpu_milli {
         let quota = (milli * CPU_PERIOD_US / 1000).max(1000);
-        enforced.cpu = optional(dir.write("cpu.max", &format!("{quota} {CPU_PERIOD_US}")))?;
+        enforced.cpu = dir.write_if_present("cpu.max", &format!("{quota} {CPU_PERIOD_US}"))?;
     }
     if let Some(cpus) = &limits.cpus {
-        enforced.cpuset = optional(dir.write("cpuset.cpus", cpus))?;
+        enforced.cpuset = dir.write_if_present("cpuset.cpus", cpus)?;
     }
     if let Some(mems) = &limits.mems {
-        optional(dir.write("cpuset.mems", mems))?;
+        dir.write_if_present("cpuset.mems", mems)?;
     }
     if devices && let Some(rules) = &limits.devices {
         device_program::attach(path, rules)?;

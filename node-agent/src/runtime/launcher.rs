@@ -39,6 +39,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::process::wait_readable;
 use super::shim::{SHIM_PROTOCOL, ShimArgs, run_shim};
 
 /// The shim's argument that turns it into a launcher.
@@ -56,20 +57,20 @@ pub(crate) enum Request {
     Spawn(SpawnRequest),
     /// Release the shim `pid`: its command starts.
     Go(u32),
-    /// Close shim `pid`'s go pipe without releasing it: it exits without starting anything.
+    /// Close shim `pid`'s go pipe without releasing it and SIGKILL it: it starts nothing.
+    /// Killed here, where it cannot have been reaped yet (so the pid is still its own).
     Abort(u32),
 }
 
 /// One shim to fork: its arguments (as `shim` takes them), and what an exec'd shim would
-/// have had from its spawn: environment, working directory, stderr.
+/// have had from its spawn: environment and working directory. Its own diagnostics go to
+/// the job's stderr log (`--stderr` among the arguments), as an exec'd shim's do.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct SpawnRequest {
     pub args: Vec<String>,
     /// The command's whole environment (nothing is inherited from the agent).
     pub env: Vec<(String, String)>,
     pub workdir: PathBuf,
-    /// Where the shim's own diagnostics go (the job's stderr log, appended to).
-    pub stderr: PathBuf,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,8 +88,9 @@ pub(crate) enum Reply {
 // ---------------------------------------------------------------------------------------
 // The agent's side.
 
-/// A running launcher, owned by the runtime. Dropping it closes its stdin: the launcher
-/// exits, and its shims carry on (reparented), like the shims of an agent that exits.
+/// A running launcher, owned by the runtime. Dropping it kills it; its shims carry on
+/// (reparented), like the shims of an agent that exits, and those not yet released see
+/// their go pipe close and start nothing.
 #[derive(Debug)]
 pub(crate) struct Launcher {
     child: Child,
@@ -158,8 +160,16 @@ impl Launcher {
     }
 
     fn read_reply(&mut self) -> io::Result<Reply> {
-        if self.replies.buffer().is_empty() {
-            wait_readable(self.replies.get_ref().as_raw_fd(), REPLY_TIMEOUT)?;
+        if self.replies.buffer().is_empty()
+            && !wait_readable(self.replies.get_ref().as_raw_fd(), REPLY_TIMEOUT)?
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the launcher did not answer within {}s",
+                    REPLY_TIMEOUT.as_secs()
+                ),
+            ));
         }
         let mut line = String::new();
         if self.replies.read_line(&mut line)? == 0 {
@@ -175,40 +185,9 @@ impl Launcher {
 
 impl Drop for Launcher {
     fn drop(&mut self) {
-        // EOF on its stdin ends it; it only ever blocks in poll, so this is prompt. Kill it
-        // anyway in case it stopped answering (the reason it is being dropped).
+        // Killed rather than sent EOF: it may be dropped because it stopped answering.
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// Waits until `fd` is readable (or has hung up), at most `timeout`.
-fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<()> {
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let mut pollfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut pollfd, 1, left.as_millis() as libc::c_int) };
-        match n {
-            1.. => return Ok(()),
-            0 => {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("the launcher did not answer within {}s", timeout.as_secs()),
-                ));
-            }
-            _ => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
     }
 }
 
@@ -295,7 +274,11 @@ fn serve() -> io::Result<()> {
                 None => Reply::Err(format!("shim {pid} is not waiting to be released")),
             },
             Ok(Request::Abort(pid)) => {
-                go_pipes.remove(&pid);
+                if go_pipes.remove(&pid).is_some() {
+                    // SAFETY: kill(2) of our own child, not reaped yet: it still has its go
+                    // pipe, which `reap_shims` drops when it reaps it.
+                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                }
                 Reply::Ok(pid)
             }
             Err(e) => Reply::Err(format!("cannot read request {:?}: {e}", line.trim())),
@@ -371,7 +354,7 @@ fn fork_shim(request: SpawnRequest) -> io::Result<(u32, OwnedFd)> {
     // Everything the child needs is prepared before the fork, so that the child only makes
     // system calls before it becomes the shim.
     let workdir = c_path(&request.workdir)?;
-    let stderr = c_path(&request.stderr)?;
+    let stderr = c_path(&args.stderr)?;
     let devnull = c_path(Path::new("/dev/null"))?;
     let mut ends = [0 as RawFd; 2];
     // SAFETY: pipe2 writes two descriptors into the array.
@@ -490,7 +473,6 @@ mod tests {
             ],
             env: vec![("PATH".into(), "/bin".into())],
             workdir: "/tmp".into(),
-            stderr: "/tmp/err".into(),
         });
         for request in [spawn, Request::Go(7), Request::Abort(8)] {
             let line = serde_json::to_string(&request).unwrap();

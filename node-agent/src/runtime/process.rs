@@ -148,6 +148,34 @@ pub(crate) fn signal_group(pgid: u32, signal: i32) -> io::Result<bool> {
     }
 }
 
+/// Waits until `fd` is readable (or has hung up): `Ok(false)` once `timeout` has passed
+/// without it. Interrupted waits go on until the deadline.
+pub(crate) fn wait_readable(
+    fd: std::os::fd::RawFd,
+    timeout: std::time::Duration,
+) -> io::Result<bool> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut pollfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        match unsafe { libc::poll(&mut pollfd, 1, left.as_millis() as libc::c_int) } {
+            1.. => return Ok(true),
+            0 => return Ok(false),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -480,18 +480,11 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
 /// Sleeps until the command exits or `timeout` passes, whichever is first, so that a short
 /// job's exit is recorded at once rather than up to a whole poll interval later.
 fn wait_for_exit(exit_fd: Option<&OwnedFd>, timeout: Duration) {
-    let Some(fd) = exit_fd else {
-        std::thread::sleep(timeout);
-        return;
-    };
-    let mut pollfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // An interrupted or failed poll returns early: the caller checks the child and polls again.
-    // SAFETY: one valid pollfd, for the duration of the call.
-    unsafe { libc::poll(&mut pollfd, 1, timeout.as_millis() as libc::c_int) };
+    match exit_fd {
+        // A failed poll returns early: the caller checks the child and waits again.
+        Some(fd) => drop(super::process::wait_readable(fd.as_raw_fd(), timeout)),
+        None => std::thread::sleep(timeout),
+    }
 }
 
 fn shielded_set() -> libc::sigset_t {

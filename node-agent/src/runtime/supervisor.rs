@@ -277,7 +277,6 @@ impl Runtime {
                     args: shim_args.to_args(),
                     env: env.clone().into_iter().collect(),
                     workdir: workdir.clone(),
-                    stderr: shim_args.stderr.clone(),
                 };
                 match launcher.spawn(request) {
                     Ok(pid) => Ok(StartedShim::Forked(pid)),
@@ -769,17 +768,13 @@ impl Runtime {
                 let _ = child.wait();
             }
             StartedShim::Forked(pid) => {
-                // Its go pipe closes: it exits by itself even if the kill fails. The launcher
-                // reaps it.
+                // The launcher kills it and reaps it; if the launcher is gone, so is the
+                // shim's go pipe, and the shim exits by itself.
                 if let Some(launcher) = self.launcher.as_mut()
                     && let Err(e) = launcher.abort(pid)
                 {
                     self.launcher_failed(&e);
                 }
-                // SAFETY: kill(2); the pid is our launcher's unreleased child, which cannot
-                // have been reaped while its go pipe was open in the launcher... unless it
-                // died, in which case the group is empty and this fails harmlessly.
-                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
             }
         }
         if let Some(entry_record) = self.log_record(id) {

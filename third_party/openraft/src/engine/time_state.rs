@@ -7,6 +7,10 @@ pub(crate) struct Config {
     /// expired.
     pub(crate) election_timeout: Duration,
 
+    /// PATCHED: the range `election_timeout` is drawn from, in milliseconds, so that it can be
+    /// drawn again whenever the vote changes (see `VoteHandler::update_vote`).
+    pub(crate) election_timeout_range_ms: (u64, u64),
+
     /// If this node has a smaller last-log-id than others, it will be less likely to be elected as
     /// a leader. In this case, it is necessary to sleep for a longer period of time
     /// `smaller_log_timeout` so that other nodes with a greater last-log-id have a chance to elect
@@ -26,6 +30,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             election_timeout: Duration::from_millis(150),
+            election_timeout_range_ms: (150, 300),
             smaller_log_timeout: Duration::from_millis(200),
             leader_lease: Duration::from_millis(150),
         }

@@ -110,6 +110,7 @@ where C: RaftTypeConfig
 
             self.state.vote.update(C::now(), vote.clone());
             self.output.push_command(Command::SaveVote { vote: vote.clone() });
+            self.redraw_election_timeout();
         } else {
             self.state.vote.touch(C::now());
         }
@@ -121,6 +122,20 @@ where C: RaftTypeConfig
         self.update_internal_server_state();
 
         Ok(())
+    }
+
+    /// PATCHED: draws this node's election timeout again. Upstream draws it once, when the
+    /// node starts, so two nodes that drew close timeouts campaign at nearly the same moment
+    /// after every leader failure, and split the vote again in the round that follows one
+    /// split. Drawn anew at every change of vote (a campaign, a vote granted, a new leader
+    /// seen), each round's timeouts are independent, as Raft's randomised timeouts assume.
+    fn redraw_election_timeout(&mut self) {
+        use rand::Rng;
+        let (min, max) = self.config.timer_config.election_timeout_range_ms;
+        if min < max {
+            let ms = C::AsyncRuntime::thread_rng().gen_range(min..max);
+            self.config.timer_config.election_timeout = std::time::Duration::from_millis(ms);
+        }
     }
 
     /// Update to Leader or following state depending on `Engine.state.vote`.

@@ -473,10 +473,17 @@ async fn wait_nodes_ready(
             })
             .await?
             .nodes;
+        // A node that registered in the cluster's first moments, before its version rose to
+        // 2, has no agent release, enforcement or container engine on record until its agent
+        // registers again (told so by the next heartbeat): a container job submitted before
+        // then is refused as one no node can ever run.
         let ready = names.iter().all(|n| {
-            nodes
-                .iter()
-                .any(|x| &x.name == n && x.status == "ready" && x.gpus.len() == gpus)
+            nodes.iter().any(|x| {
+                &x.name == n
+                    && x.status == "ready"
+                    && x.gpus.len() == gpus
+                    && !x.agent_release.is_empty()
+            })
         });
         if ready {
             return Ok(());

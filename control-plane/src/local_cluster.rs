@@ -698,6 +698,52 @@ impl LocalCluster {
     }
 
     /// Waits until every running replica names the same live leader; returns its status.
+    /// Waits until every agent in `names` has registered its node completely: ready, with
+    /// `gpus` GPUs where given, and with its agent's release on record. A node that registered
+    /// in the cluster's first moments, before its version rose to 2, has no agent release,
+    /// enforcement or container engine on record until its agent registers again (told so by
+    /// the next heartbeat); a container job submitted before then is refused as one no node
+    /// can ever run.
+    pub async fn wait_for_nodes(
+        &self,
+        names: &[String],
+        gpus: Option<usize>,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let mut client = self.client()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let nodes = client
+                .call(|mut c, t| async move {
+                    c.list_nodes(with_timeout(pb::ListNodesRequest::default(), t))
+                        .await
+                })
+                .await?
+                .nodes;
+            let complete = |n: &String| {
+                nodes.iter().any(|x| {
+                    &x.name == n
+                        && x.status == "ready"
+                        && gpus.is_none_or(|g| x.gpus.len() == g)
+                        && !x.agent_release.is_empty()
+                })
+            };
+            if names.iter().all(complete) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let seen: Vec<(&str, &str)> = nodes
+                    .iter()
+                    .map(|n| (n.name.as_str(), n.status.as_str()))
+                    .collect();
+                bail!(
+                    "nodes {names:?} not all registered within {timeout:?}; the control plane has {seen:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub async fn wait_for_leader(
         &self,
         timeout: Duration,

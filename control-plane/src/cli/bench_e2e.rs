@@ -22,7 +22,7 @@ use serde_json::json;
 
 use super::bench_slurm;
 use super::output::{Format, table};
-use crate::client::{Client, with_timeout};
+use crate::client::with_timeout;
 use crate::local_cluster::{LocalCluster, free_ports};
 
 pub struct Args {
@@ -387,8 +387,8 @@ fn run_ours(
         for name in &names {
             cluster.start_agent(name)?;
         }
-        let mut client = cluster.client()?;
-        wait_nodes_ready(&mut client, &names, args.gpus_per_host)
+        cluster
+            .wait_for_nodes(&names, Some(args.gpus_per_host), Duration::from_secs(30))
             .await
             .with_context(|| {
                 format!(
@@ -396,6 +396,7 @@ fn run_ours(
                     dir.display()
                 )
             })?;
+        let mut client = cluster.client()?;
         // Hold: no node takes work while the jobs are submitted.
         for name in &names {
             let req = pb::DrainNodeRequest {
@@ -457,46 +458,6 @@ fn run_ours(
             ..watch.result(seconds)
         })
     })
-}
-
-async fn wait_nodes_ready(
-    client: &mut Client,
-    names: &[String],
-    gpus: usize,
-) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let nodes = client
-            .call(|mut c, t| async move {
-                c.list_nodes(with_timeout(pb::ListNodesRequest::default(), t))
-                    .await
-            })
-            .await?
-            .nodes;
-        // A node that registered in the cluster's first moments, before its version rose to
-        // 2, has no agent release, enforcement or container engine on record until its agent
-        // registers again (told so by the next heartbeat): a container job submitted before
-        // then is refused as one no node can ever run.
-        let ready = names.iter().all(|n| {
-            nodes.iter().any(|x| {
-                &x.name == n
-                    && x.status == "ready"
-                    && x.gpus.len() == gpus
-                    && !x.agent_release.is_empty()
-            })
-        });
-        if ready {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            let seen: Vec<(&str, &str)> = nodes
-                .iter()
-                .map(|n| (n.name.as_str(), n.status.as_str()))
-                .collect();
-            bail!("nodes {names:?} not all ready within 30 s; the control plane has {seen:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 async fn submit_all(cluster: &LocalCluster, jobs: usize, containers: bool) -> anyhow::Result<()> {

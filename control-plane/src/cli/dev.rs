@@ -179,6 +179,16 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
         for name in &names {
             cluster.start_agent(name)?;
         }
+        // "Up" means a first `gpuctl submit` finds the hosts (container engine included).
+        if let Err(e) = cluster
+            .wait_for_nodes(&names, None, Duration::from_secs(30))
+            .await
+        {
+            eprintln!(
+                "gpuctl dev: warning: {e:#}; see the agent logs in {}",
+                data_dir.display()
+            );
+        }
         println!(
             "gpu-control-plane dev cluster is up: {} replicas, leader is replica {} (term {}), ready in {:.1} s.",
             args.replicas,

@@ -460,17 +460,13 @@ where C: RaftTypeConfig
     /// collide, is unchanged; a candidate that saw a longer log still waits
     /// `smaller_log_timeout` more, so the up-to-date one goes first. The floor of a third of
     /// the minimum leaves time for the other voters' answers to the campaign.
+    ///
+    /// A fixed timeout (no range to draw from, as in the deterministic simulation) is left as it
+    /// is: shortening it alike for every candidate would make them collide again.
     fn split_vote_retry(&mut self) {
-        use rand::Rng;
-        let (min, max) = self.config.timer_config.election_timeout_range_ms;
-        if max.saturating_sub(min) <= 1 {
-            // A fixed timeout (no range to draw from, as in the deterministic simulation):
-            // shortening it alike for every candidate would make them collide again.
-            return;
-        }
-        let floor = min / 3;
-        let ms = C::AsyncRuntime::thread_rng().gen_range(floor..floor + (max - min));
-        self.config.timer_config.election_timeout = Duration::from_millis(ms);
+        let timer = &mut self.config.timer_config;
+        let (min, max) = timer.election_timeout_range_ms;
+        timer.redraw_election_timeout::<C::AsyncRuntime>(min / 3, max.saturating_sub(min));
     }
 
     /// Append entries to follower/learner.

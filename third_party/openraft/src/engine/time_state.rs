@@ -36,3 +36,17 @@ impl Default for Config {
         }
     }
 }
+
+impl Config {
+    /// PATCHED: draws `election_timeout` again from `[from, from + width)` milliseconds, the
+    /// one place patches 8 (`VoteHandler::update_vote`) and 9 (`Engine::split_vote_retry`)
+    /// draw it. A range of at most 1 ms (a fixed timeout, as in the project's deterministic
+    /// simulation) leaves it alone.
+    pub(crate) fn redraw_election_timeout<RT: crate::AsyncRuntime>(&mut self, from: u64, width: u64) {
+        use rand::Rng;
+        if width > 1 {
+            let ms = RT::thread_rng().gen_range(from..from + width);
+            self.election_timeout = Duration::from_millis(ms);
+        }
+    }
+}

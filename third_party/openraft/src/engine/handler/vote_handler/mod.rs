@@ -130,12 +130,9 @@ where C: RaftTypeConfig
     /// split. Drawn anew at every change of vote (a campaign, a vote granted, a new leader
     /// seen), each round's timeouts are independent, as Raft's randomised timeouts assume.
     fn redraw_election_timeout(&mut self) {
-        use rand::Rng;
-        let (min, max) = self.config.timer_config.election_timeout_range_ms;
-        if min < max {
-            let ms = C::AsyncRuntime::thread_rng().gen_range(min..max);
-            self.config.timer_config.election_timeout = std::time::Duration::from_millis(ms);
-        }
+        let timer = &mut self.config.timer_config;
+        let (min, max) = timer.election_timeout_range_ms;
+        timer.redraw_election_timeout::<C::AsyncRuntime>(min, max.saturating_sub(min));
     }
 
     /// Update to Leader or following state depending on `Engine.state.vote`.

@@ -493,9 +493,20 @@ impl CgroupDir {
     /// Writes `value` to the file `name` in it, in one write (cgroup files take one value
     /// per write).
     fn write(&self, name: &str, value: &str) -> io::Result<()> {
+        self.write_each(name, [value])
+    }
+
+    /// Writes each of `values` to the file `name`, one write per value through one open:
+    /// cgroupfs parses every write on its own (one `devices.allow` rule each), and a job's
+    /// dozen device rules would otherwise cost a dozen opens and path lookups.
+    fn write_each<'v>(
+        &self,
+        name: &str,
+        values: impl IntoIterator<Item = &'v str>,
+    ) -> io::Result<()> {
         use std::io::Write;
         use std::os::fd::{AsRawFd, FromRawFd};
-        let in_dir = |e: io::Error| {
+        let in_dir = |value: &str, e: io::Error| {
             io::Error::new(
                 e.kind(),
                 format!(
@@ -504,8 +515,12 @@ impl CgroupDir {
                 ),
             )
         };
+        let mut values = values.into_iter().peekable();
+        let Some(first) = values.peek().copied() else {
+            return Ok(());
+        };
         let c = std::ffi::CString::new(name)
-            .map_err(|_| in_dir(io::Error::other("the file name contains a NUL byte")))?;
+            .map_err(|_| in_dir(first, io::Error::other("the file name contains a NUL byte")))?;
         // SAFETY: a valid directory descriptor and a NUL-terminated relative name.
         let fd = unsafe {
             libc::openat(
@@ -515,11 +530,17 @@ impl CgroupDir {
             )
         };
         if fd < 0 {
-            return Err(in_dir(io::Error::last_os_error()));
+            return Err(in_dir(first, io::Error::last_os_error()));
         }
         // SAFETY: a new descriptor nothing else owns.
         let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
-        file.write_all(value.as_bytes()).map_err(in_dir)
+        for value in values {
+            // One `write` call per value: `write_all` of a short value is one write, and
+            // cgroupfs takes a value whole or refuses it.
+            file.write_all(value.as_bytes())
+                .map_err(|e| in_dir(value, e))?;
+        }
+        Ok(())
     }
 
     /// [`Self::write`] to a file that only some hosts have (a controller the parent does not

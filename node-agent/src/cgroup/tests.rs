@@ -202,6 +202,27 @@ fn a_job_opens_only_its_own_gpus_device_node() {
     };
     let (cg, enforced) = host.create("alloc-dev", &limits).unwrap();
     assert!(enforced.devices);
+    // Every rule was taken (they are written through one open of `devices.allow`), and
+    // nothing else: the list is exactly the rules.
+    let list_file = cg
+        .procs_files()
+        .into_iter()
+        .map(|f| f.with_file_name("devices.list"))
+        .find(|f| f.exists())
+        .expect("a v1 devices directory");
+    let listed: std::collections::BTreeSet<String> = std::fs::read_to_string(&list_file)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let expected: std::collections::BTreeSet<String> = limits
+        .devices
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(listed, expected, "{}", list_file.display());
     let d = dir.path().display();
     let out = spawn_in(
         &cg,

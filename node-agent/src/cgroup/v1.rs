@@ -104,9 +104,8 @@ pub fn create(
             && let Some(rules) = &limits.devices
         {
             dir.write("devices.deny", "a")?;
-            for rule in rules {
-                dir.write("devices.allow", &rule.to_string())?;
-            }
+            let rules: Vec<String> = rules.iter().map(ToString::to_string).collect();
+            dir.write_each("devices.allow", rules.iter().map(String::as_str))?;
             enforced.devices = true;
         }
     }

@@ -46,32 +46,6 @@ fn agent_api_as(
         .max_encoding_message_size(usize::MAX)
 }
 
-/// Asserts that nothing reached the log and nothing changed: the leader's job and node
-/// counts are what they were, and its log grew by no more than the blank entry each new
-/// leader appends (on a loaded 2-core host an election can come at any time; each term has
-/// at most one leader, so the log grows by at most one entry per term that passed).
-async fn assert_nothing_written(c: &LocalCluster, before: &pb::ClusterStatusResponse, what: &str) {
-    let after = leader_status(c).await;
-    assert_eq!(
-        (after.jobs, after.nodes),
-        (before.jobs, before.nodes),
-        "{what}: the state changed (jobs, nodes)"
-    );
-    let elections = after.term - before.term;
-    let appended = after.last_log_index - before.last_log_index;
-    assert!(
-        appended <= elections,
-        "{what}: {appended} entries reached the log (and {elections} elections happened)"
-    );
-    if elections == 0 {
-        assert_eq!(
-            (after.commit_index, after.applied_index),
-            (before.commit_index, before.applied_index),
-            "{what}: the commit or applied index moved"
-        );
-    }
-}
-
 /// Asserts an error's code, that its message starts with `field` and says `words`, and that
 /// it is short enough to read (no megabyte of the input echoed back).
 fn assert_refused(err: &tonic::Status, code: Code, field: &str, words: &str) {

@@ -697,7 +697,6 @@ impl LocalCluster {
         .ok()
     }
 
-    /// Waits until every running replica names the same live leader; returns its status.
     /// Waits until every agent in `names` has registered its node completely: ready, with
     /// `gpus` GPUs where given, and with its agent's release on record. A node that registered
     /// in the cluster's first moments, before its version rose to 2, has no agent release,
@@ -744,6 +743,7 @@ impl LocalCluster {
         }
     }
 
+    /// Waits until every running replica names the same live leader; returns its status.
     pub async fn wait_for_leader(
         &self,
         timeout: Duration,

@@ -170,6 +170,7 @@ async fn invalid_requests_are_refused_naming_the_field_and_write_nothing() {
 
     step("nothing was written");
     assert_eq!(before.jobs, 0);
+    assert_eq!(mid.jobs, 0, "a rejected submission wrote a job");
     assert_nothing_written(&c, &mid, "rejected requests").await;
 }
 

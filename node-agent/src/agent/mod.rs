@@ -1337,7 +1337,7 @@ async fn session_loop(agent: Arc<Agent>, mut control: ControlPlane) {
 async fn assignment_loop(agent: Arc<Agent>, control: ControlPlane) {
     let _ = agent.registrations.subscribe().wait_for(|n| *n > 0).await;
     loop {
-        for (endpoint, mut client) in control.rotation() {
+        for (index, endpoint, mut client) in control.rotation() {
             let req = pa::WatchAssignmentsRequest {
                 node: agent.config.name.clone(),
             };
@@ -1349,6 +1349,7 @@ async fn assignment_loop(agent: Arc<Agent>, control: ControlPlane) {
                 }
             };
             tracing::info!(%endpoint, "following assignments");
+            control.set_leader(Some(index));
             // The leader re-sends the set every second; five silent seconds mean it is gone.
             while let Ok(Ok(Some(set))) =
                 tokio::time::timeout(Duration::from_secs(5), stream.message()).await
@@ -1367,6 +1368,7 @@ async fn assignment_loop(agent: Arc<Agent>, control: ControlPlane) {
                     tracing::warn!(%endpoint, "ignored assignments from an older leader");
                 }
             }
+            control.set_leader(None);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -5,7 +5,7 @@
 //! kills), read from the cgroup when it ends.
 //!
 //! The cgroup is created before the workload's first instruction: the shim's child joins it
-//! between fork and exec (`AllocationCgroup::procs_files`, written with "0"), so nothing the
+//! between clone and exec (`AllocationCgroup::procs_files`, written with "0"), so nothing the
 //! job runs, forks or daemonises is ever outside it. The shim itself stays outside, so it
 //! is neither charged nor killed with the job, and records how the job ended.
 //!
@@ -329,7 +329,7 @@ impl AllocationCgroup {
     }
 
     /// The `cgroup.procs` files a process writes "0" to, to join the cgroup: what the shim's
-    /// child does between fork and exec.
+    /// child does between clone and exec.
     pub fn procs_files(&self) -> Vec<PathBuf> {
         self.dirs
             .iter()

@@ -9,6 +9,8 @@
 //!   [`StopReason`], [`RuntimeConfig`], [`RuntimeError`]);
 //! - `supervisor.rs`: [`Runtime`], the state machine over processes and records;
 //! - `shim.rs`: [`shim_main`], the per-allocation supervisor process;
+//! - `spawn.rs`: how a shim starts its command (confined before its first instruction,
+//!   without copying the shim's memory);
 //! - `launcher.rs`: the pre-forked process that forks shims for the agent (no exec per job);
 //! - `record.rs`: the on-disk layout and records, and exit classification;
 //! - `record_log.rs`: the append-only log the records are kept in;
@@ -36,6 +38,7 @@ pub(crate) mod process;
 mod record;
 mod record_log;
 mod shim;
+mod spawn;
 mod supervisor;
 mod types;
 

@@ -14,9 +14,9 @@
 //!    the log files;
 //! 4. ignores SIGTERM/SIGINT/SIGHUP, so a SIGTERM sent to the group stops the command but not
 //!    the shim, which then records how the command ended. The signals are blocked *before*
-//!    the fork and only ignored after it: the child starts with default dispositions and an
-//!    empty mask (Rust's `Command` resets the mask in the child), and a signal arriving in
-//!    between stays pending and is then discarded rather than killing the shim;
+//!    the command is started and only ignored after it: the command starts with default
+//!    dispositions and an empty mask (`spawn.rs`), and a signal arriving in between stays
+//!    pending and is then discarded rather than killing the shim;
 //! 5. waits for the command and writes its status atomically to the exit file;
 //! 6. SIGKILLs its own process group, itself included, so processes the command left behind
 //!    (daemonised helpers, background jobs) cannot keep using the allocation's GPUs after its
@@ -26,11 +26,12 @@ use std::fs::OpenOptions;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use super::process::now_ms;
 use super::record::{ChildStatus, ShimExitRecord, write_atomic_via};
+use super::spawn::{SpawnRequest, spawn};
+use std::process::{Command, Stdio};
 
 /// Shim exit codes other than 0. The runtime only shows them in a `Vanished` reason: what
 /// matters is the exit file.
@@ -357,44 +358,24 @@ fn run_command(args: &ShimArgs, env: Option<Vec<(String, String)>>) -> (ChildSta
         .as_ref()
         .map(crate::cgroup::AllocationCgroup::procs_files_c)
         .unwrap_or_default();
-    let mut command = Command::new(&args.command[0]);
-    command
-        .args(&args.command[1..])
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr);
-    if let Some(env) = env {
-        command.env_clear().envs(env);
-    }
-    // The command must start with the shielded signals unblocked and at their default
-    // disposition: a job that traps SIGTERM to checkpoint would otherwise never see it
-    // (the child inherits the mask blocked below; std does not reset it on this path).
-    {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: runs between fork and exec in the child; sigemptyset, pthread_sigmask and
-        // signal are async-signal-safe and touch only the child.
-        unsafe {
-            command.pre_exec(move || {
-                // Into the allocation's cgroup first: a command that cannot be confined
-                // does not run (spawn fails with the error, reported as 126).
-                crate::cgroup::join_current_process(&join)?;
-                let mut empty: libc::sigset_t = std::mem::zeroed();
-                libc::sigemptyset(&mut empty);
-                libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-                for signal in SHIELDED_SIGNALS {
-                    libc::signal(signal, libc::SIG_DFL);
-                }
-                Ok(())
-            });
-        }
-    }
-
+    // The command joins the allocation's cgroup before its first instruction (a command that
+    // cannot be confined does not run: reported as 126) and starts with the shielded signals
+    // unblocked and at their default disposition: a job that traps SIGTERM to checkpoint
+    // must see it.
+    let request = SpawnRequest {
+        args: &args.command,
+        env: env.as_deref(),
+        cgroup_procs: &join,
+        stdout: &stdout,
+        stderr: &stderr,
+    };
     let previous_mask = block_shielded_signals();
-    let spawned = command.spawn();
+    let spawned = spawn(&request);
     if spawned.is_ok() {
         ignore_shielded_signals();
     }
     restore_mask(previous_mask);
+    drop((stdout, stderr));
 
     let mut child = match spawned {
         Ok(child) => child,

@@ -3,6 +3,7 @@
 //! group, reaping our own children without blocking, and the wall clock.
 
 use std::io;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the Unix epoch. Wall clock, because the values are persisted and
@@ -150,6 +151,16 @@ pub(crate) fn signal_group(pgid: u32, signal: i32) -> io::Result<bool> {
 
 /// Waits until `fd` is readable (or has hung up): `Ok(false)` once `timeout` has passed
 /// without it. Interrupted waits go on until the deadline.
+/// A pidfd of process `pid` (Linux 5.3), readable once that process has exited; `None` where
+/// the kernel has none or the process is gone. Unlike the pid, it can never come to name
+/// another process.
+pub(crate) fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a non-negative result is a descriptor we own and nothing else closes.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
 pub(crate) fn wait_readable(
     fd: std::os::fd::RawFd,
     timeout: std::time::Duration,

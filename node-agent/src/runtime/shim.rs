@@ -24,7 +24,7 @@
 
 use std::fs::OpenOptions;
 use std::io::{self, Read};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -394,7 +394,7 @@ fn run_command(args: &ShimArgs, env: Option<Vec<(String, String)>>) -> (ChildSta
     let exit_fd = args
         .lease_file
         .as_ref()
-        .and_then(|_| pidfd_open(child.id()));
+        .and_then(|_| super::process::pidfd_open(child.id()));
     let mut fenced_at: Option<std::time::Instant> = None;
     let mut killed = false;
     loop {
@@ -448,15 +448,6 @@ fn run_command(args: &ShimArgs, env: Option<Vec<(String, String)>>) -> (ChildSta
 
 /// How often a shim with a lease file checks the lease and its command.
 const LEASE_POLL: Duration = Duration::from_millis(100);
-
-/// A pidfd of process `pid` (our child), readable once it has exited; `None` where the
-/// kernel has none (before Linux 5.3). Close-on-exec, so no later child inherits it.
-fn pidfd_open(pid: u32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    // SAFETY: a non-negative result is a descriptor we own and nothing else closes.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
 
 /// Sleeps until the command exits or `timeout` passes, whichever is first, so that a short
 /// job's exit is recorded at once rather than up to a whole poll interval later.

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -21,7 +21,9 @@ use super::env::{command_env, validate_spec};
 use super::journal::{UsageRecord, append_usage};
 use super::launcher::{Launcher, SpawnRequest};
 use super::ledger::GpuLedger;
-use super::process::{Probe, Reap, now_ms, probe, read_stat, signal_group, try_reap};
+use super::process::{
+    Probe, Reap, now_ms, pidfd_open, probe, read_stat, signal_group, try_reap, wait_readable,
+};
 use super::record::{
     AllocationRecord, Layout, RecordedExit, ShimFate, StopRequest, classify, read_exit_file,
     remove_if_present,
@@ -41,6 +43,11 @@ struct Entry {
     dirty: bool,
     /// When `poll` last looked for the exit file of this running allocation's shim.
     exit_checked_at_ms: u64,
+    /// A pidfd of the shim, once `/proc` confirmed it names the recorded process: while it
+    /// is not readable the shim runs, which each poll then learns from one `poll(2)` instead
+    /// of reading `/proc/PID/stat` (every launch and exit on the host polls every live
+    /// allocation). Anything else is decided by `probe`, as without one.
+    shim_pidfd: Option<OwnedFd>,
 }
 
 /// How often `poll` looks for the exit file of a shim that still runs (one that wrote it
@@ -142,6 +149,7 @@ impl Runtime {
                     record,
                     dirty: false,
                     exit_checked_at_ms: 0,
+                    shim_pidfd: None,
                 },
             );
             if launching {
@@ -358,6 +366,7 @@ impl Runtime {
                 dirty: false,
                 // Just started: nothing to look for yet.
                 exit_checked_at_ms: now_ms(),
+                shim_pidfd: None,
             },
         );
         self.pending.push(RuntimeEvent::Started {
@@ -957,7 +966,27 @@ impl Runtime {
         let (Some(pid), Some(ticks)) = (record.shim_pid, record.shim_start_ticks) else {
             return;
         };
-        match probe(pid, ticks) {
+        let still_running = entry
+            .shim_pidfd
+            .as_ref()
+            .is_some_and(|fd| matches!(wait_readable(fd.as_raw_fd(), Duration::ZERO), Ok(false)));
+        let probed = if still_running {
+            Probe::Running
+        } else {
+            probe(pid, ticks)
+        };
+        if probed == Probe::Running && !still_running {
+            // Confirmed after opening: had the shim exited and its pid been reused in
+            // between, the second look would see another start time.
+            let pidfd = pidfd_open(pid).filter(|_| probe(pid, ticks) == Probe::Running);
+            if let Some(entry) = self.entries.get_mut(&id) {
+                entry.shim_pidfd = pidfd;
+            }
+        }
+        let Some(entry) = self.entries.get(&id) else {
+            return;
+        };
+        match probed {
             Probe::Running => {
                 // A safety net for a stuck shim, looked at once a second rather than on every
                 // poll: polls come with every launch and exit, and each look is a lookup.
@@ -1381,6 +1410,40 @@ mod tests {
         drop(rt);
         let mut rt = Runtime::open(config(dir.path())).expect("reopen");
         assert!(rt.poll().is_empty());
+    }
+
+    #[test]
+    fn a_running_shim_is_watched_through_a_pidfd_and_its_end_is_still_noticed() {
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Stands in for a re-adopted shim: a process of its own group, recorded by pid and
+        // start time.
+        let mut shim = Command::new("sleep")
+            .arg("1000")
+            .process_group(0)
+            .spawn()
+            .expect("sleep");
+        let pid = shim.id();
+        let ticks = read_stat(pid).expect("stat").expect("running").start_ticks;
+        let mut record = AllocationRecord::launching(spec(6, &["GPU-a"]), now_ms());
+        record.shim_pid = Some(pid);
+        record.shim_start_ticks = Some(ticks);
+        store_record(dir.path(), &record);
+
+        let mut rt = Runtime::open(config(dir.path())).expect("open");
+        assert!(exits(&mut rt).is_empty());
+        assert!(
+            rt.entries[&6].shim_pidfd.is_some(),
+            "a confirmed shim is watched through a pidfd"
+        );
+        assert!(exits(&mut rt).is_empty(), "still running");
+        shim.kill().expect("kill");
+        shim.wait().expect("reap");
+        let ended = exits(&mut rt);
+        assert!(
+            matches!(ended.as_slice(), [(6, ExitKind::Vanished { .. })]),
+            "{ended:?}"
+        );
     }
 
     #[test]

@@ -779,10 +779,33 @@ impl LocalCluster {
                 }
             }
             if Instant::now() >= deadline {
-                bail!("no agreed leader within {timeout:?} (statuses: {statuses:?})");
+                bail!(
+                    "no agreed leader within {timeout:?} (statuses: {statuses:?}){}",
+                    self.silent_replicas_logs().await
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// For an error: the last lines of the log of each running replica that does not answer
+    /// (one that could not bind its port, or crashed at start, says why there).
+    async fn silent_replicas_logs(&self) -> String {
+        const LINES: usize = 5;
+        let mut out = String::new();
+        for (id, r) in &self.replicas {
+            if !self.is_running(*id) || self.status(*id).await.is_some() {
+                continue;
+            }
+            let text = std::fs::read_to_string(&r.log_path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = lines[lines.len().saturating_sub(LINES)..].join("\n  ");
+            out.push_str(&format!(
+                "\nreplica {id} does not answer; the end of {}:\n  {tail}",
+                r.log_path.display()
+            ));
+        }
+        out
     }
 }
 

@@ -751,6 +751,8 @@ impl LocalCluster {
         let deadline = Instant::now() + timeout;
         loop {
             let mut statuses = Vec::new();
+            // Running replicas that did not answer this round.
+            let mut silent = Vec::new();
             for id in self
                 .replicas
                 .keys()
@@ -761,6 +763,9 @@ impl LocalCluster {
                 // A replica removed from the cluster takes no part any more.
                 if s.as_ref().is_some_and(|s| !s.removed.is_empty()) {
                     continue;
+                }
+                if s.is_none() {
+                    silent.push(id);
                 }
                 statuses.push(s);
             }
@@ -781,22 +786,22 @@ impl LocalCluster {
             if Instant::now() >= deadline {
                 bail!(
                     "no agreed leader within {timeout:?} (statuses: {statuses:?}){}",
-                    self.silent_replicas_logs().await
+                    self.log_tails(&silent)
                 );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// For an error: the last lines of the log of each running replica that does not answer
-    /// (one that could not bind its port, or crashed at start, says why there).
-    async fn silent_replicas_logs(&self) -> String {
+    /// For an error: the last lines of the log of each of the replicas `silent`, which did
+    /// not answer (one that could not bind its port, or crashed at start, says why there).
+    fn log_tails(&self, silent: &[u64]) -> String {
         const LINES: usize = 5;
         let mut out = String::new();
-        for (id, r) in &self.replicas {
-            if !self.is_running(*id) || self.status(*id).await.is_some() {
-                continue;
-            }
+        for (id, r) in silent
+            .iter()
+            .filter_map(|id| self.replicas.get_key_value(id))
+        {
             let text = std::fs::read_to_string(&r.log_path).unwrap_or_default();
             let lines: Vec<&str> = text.lines().collect();
             let tail = lines[lines.len().saturating_sub(LINES)..].join("\n  ");

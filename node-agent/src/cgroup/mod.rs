@@ -567,7 +567,8 @@ fn remove_dir_if_present(dir: &Path) -> io::Result<()> {
 
 /// Joins the calling process to the cgroup whose `cgroup.procs` files are `files` (from
 /// [`AllocationCgroup::procs_files_c`]). Only async-signal-safe calls (open, write, close),
-/// so it may run in a child between fork and exec, before the workload's first instruction.
+/// so it may run in a child between fork (or the shim's clone) and exec, before the
+/// workload's first instruction.
 pub fn join_current_process(files: &[std::ffi::CString]) -> io::Result<()> {
     for f in files {
         // SAFETY: `f` is a NUL-terminated path; the buffer is a static byte string; the

@@ -149,11 +149,9 @@ pub(crate) fn signal_group(pgid: u32, signal: i32) -> io::Result<bool> {
     }
 }
 
-/// Waits until `fd` is readable (or has hung up): `Ok(false)` once `timeout` has passed
-/// without it. Interrupted waits go on until the deadline.
 /// A pidfd of process `pid` (Linux 5.3), readable once that process has exited; `None` where
 /// the kernel has none or the process is gone. Unlike the pid, it can never come to name
-/// another process.
+/// another process. Close-on-exec, so no later child inherits it.
 pub(crate) fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
@@ -161,6 +159,8 @@ pub(crate) fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// Waits until `fd` is readable (or has hung up): `Ok(false)` once `timeout` has passed
+/// without it. Interrupted waits go on until the deadline.
 pub(crate) fn wait_readable(
     fd: std::os::fd::RawFd,
     timeout: std::time::Duration,

@@ -26,12 +26,12 @@ use std::fs::OpenOptions;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use super::process::now_ms;
 use super::record::{ChildStatus, ShimExitRecord, write_atomic_via};
-use super::spawn::{SpawnRequest, spawn};
-use std::process::{Command, Stdio};
+use super::spawn::{ConfinedCommand, spawn};
 
 /// Shim exit codes other than 0. The runtime only shows them in a `Vanished` reason: what
 /// matters is the exit file.
@@ -362,7 +362,7 @@ fn run_command(args: &ShimArgs, env: Option<Vec<(String, String)>>) -> (ChildSta
     // cannot be confined does not run: reported as 126) and starts with the shielded signals
     // unblocked and at their default disposition: a job that traps SIGTERM to checkpoint
     // must see it.
-    let request = SpawnRequest {
+    let request = ConfinedCommand {
         args: &args.command,
         env: env.as_deref(),
         cgroup_procs: &join,

@@ -29,8 +29,8 @@ const DEFAULT_PATH: &[u8] = b"/bin:/usr/bin";
 /// The child's stack: far more than the system call wrappers it runs need.
 const CHILD_STACK_BYTES: usize = 256 * 1024;
 
-/// What to start and how.
-pub(crate) struct SpawnRequest<'a> {
+/// What to start and how (not the launcher's `SpawnRequest`, which starts a shim).
+pub(crate) struct ConfinedCommand<'a> {
     /// `args[0]` is the program: a path, or a name looked up on `PATH`.
     pub args: &'a [String],
     /// The command's whole environment; `None`: the shim's own.
@@ -88,7 +88,7 @@ impl SpawnedChild {
 /// Everything the child touches, built before the clone: it must not allocate (the
 /// allocator's locks may be held by the suspended shim), so every string and pointer array
 /// is ready here.
-struct ChildPlan {
+struct ChildPlan<'a> {
     /// Paths to try in order (one for a program named by path).
     candidates: Vec<CString>,
     /// `argv` as pointers, NULL-terminated, into `args`.
@@ -98,7 +98,8 @@ struct ChildPlan {
     sh_argv: Vec<*const libc::c_char>,
     /// `envp`, NULL-terminated; `None`: the shim's `environ`.
     envp: Option<Vec<*const libc::c_char>>,
-    cgroup_procs: Vec<*const libc::c_char>,
+    /// Joined with `cgroup::join_current_process`, which only opens, writes and closes.
+    cgroup_procs: &'a [CString],
     dev_null: libc::c_int,
     stdout: libc::c_int,
     stderr: libc::c_int,
@@ -115,7 +116,7 @@ const KERNEL_SIGSET_BYTES: libc::size_t = 8;
 
 /// Starts the command. An error is what exec (or joining the cgroups) failed with; the child
 /// is reaped before it is returned. `NotFound` means no candidate existed, as from `Command`.
-pub(crate) fn spawn(request: &SpawnRequest) -> io::Result<SpawnedChild> {
+pub(crate) fn spawn(request: &ConfinedCommand) -> io::Result<SpawnedChild> {
     let program = request
         .args
         .first()
@@ -174,7 +175,7 @@ pub(crate) fn spawn(request: &SpawnRequest) -> io::Result<SpawnedChild> {
         argv,
         sh_argv,
         envp: env.as_deref().map(nul_terminated),
-        cgroup_procs: request.cgroup_procs.iter().map(|c| c.as_ptr()).collect(),
+        cgroup_procs: request.cgroup_procs,
         dev_null: dev_null.as_raw_fd(),
         stdout: request.stdout.as_raw_fd(),
         stderr: request.stderr.as_raw_fd(),
@@ -198,7 +199,7 @@ pub(crate) fn spawn(request: &SpawnRequest) -> io::Result<SpawnedChild> {
             child_main,
             top as *mut libc::c_void,
             libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            (&mut plan as *mut ChildPlan).cast(),
+            (&mut plan as *mut ChildPlan<'_>).cast(),
         )
     };
     let clone_error = io::Error::last_os_error();
@@ -256,26 +257,18 @@ fn candidates(program: &[u8], path: Option<&OsStr>) -> Vec<Vec<u8>> {
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` is the `ChildPlan` the parent keeps alive and does not touch until this
     // child has exec'd or exited (CLONE_VFORK).
-    let plan = unsafe { &mut *arg.cast::<ChildPlan>() };
+    let plan = unsafe { &mut *arg.cast::<ChildPlan<'_>>() };
     // SAFETY: each call below is an async-signal-safe system call wrapper on pointers into
     // `plan`, whose strings are NUL-terminated and arrays NULL-terminated.
     unsafe {
-        let fail = |plan: &mut ChildPlan| -> ! {
-            let errno = *libc::__errno_location();
+        let fail_with = |plan: &mut ChildPlan<'_>, errno: libc::c_int| -> ! {
             std::ptr::write_volatile(&mut plan.error, if errno == 0 { libc::EIO } else { errno });
             libc::_exit(127)
         };
+        let fail = |plan: &mut ChildPlan<'_>| -> ! { fail_with(plan, *libc::__errno_location()) };
         // Into the allocation's cgroups first: a command that cannot be confined does not run.
-        for &procs in &plan.cgroup_procs {
-            let fd = libc::open(procs, libc::O_WRONLY | libc::O_CLOEXEC);
-            if fd < 0 {
-                fail(plan);
-            }
-            let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-            if written != 1 {
-                fail(plan);
-            }
-            libc::close(fd);
+        if let Err(e) = crate::cgroup::join_current_process(plan.cgroup_procs) {
+            fail_with(plan, e.raw_os_error().unwrap_or(0));
         }
         for (from, to) in [(plan.dev_null, 0), (plan.stdout, 1), (plan.stderr, 2)] {
             // dup2 clears close-on-exec on `to`; when `from == to` it does nothing, so the
@@ -362,7 +355,7 @@ mod tests {
         let stdout = File::create(&out)?;
         let stderr = File::create(dir.join("stderr"))?;
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let mut child = spawn(&SpawnRequest {
+        let mut child = spawn(&ConfinedCommand {
             args: &args,
             env,
             cgroup_procs,

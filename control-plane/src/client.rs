@@ -1,6 +1,7 @@
 //! Client library used by `gpuctl`, the benchmarks and the tests: a list of replica endpoints,
 //! retried in turn until one answers. Any replica accepts any call (followers forward to the
-//! leader), so failing over is only a matter of trying the next endpoint.
+//! leader), so failing over is only a matter of trying the next endpoint. A forwarded answer
+//! names the leader, and the client then starts its next calls there.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -163,7 +164,8 @@ pub struct Client {
     endpoints: Vec<String>,
     clients: Vec<ApiClient>,
     pub credentials: Credentials,
-    /// The endpoint that answered last; tried first next time.
+    /// The endpoint that answered last, or the leader a forwarded answer named (when it is
+    /// one of `endpoints`); tried first next time.
     preferred: usize,
     /// How long a call keeps retrying across endpoints before giving up.
     pub deadline: Duration,
@@ -207,6 +209,11 @@ impl Client {
         &self.endpoints
     }
 
+    /// The endpoint the next call tries first.
+    pub fn preferred_endpoint(&self) -> &str {
+        &self.endpoints[self.preferred]
+    }
+
     /// A client for one endpoint only (no failover), e.g. to ask a specific replica.
     pub fn endpoint_client(&self, i: usize) -> ApiClient {
         self.clients[i].clone()
@@ -233,7 +240,7 @@ impl Client {
                 let fut = call(self.clients[i].clone(), self.attempt_timeout);
                 match tokio::time::timeout(self.attempt_timeout, fut).await {
                     Ok(Ok(resp)) => {
-                        self.preferred = i;
+                        self.preferred = self.leader_hinted(resp.metadata()).unwrap_or(i);
                         return Ok(resp.into_inner());
                     }
                     Ok(Err(status))
@@ -255,7 +262,7 @@ impl Client {
                         last = Some(Status::new(status.code(), with_causes(&status)))
                     }
                     Ok(Err(status)) => {
-                        self.preferred = i;
+                        self.preferred = self.leader_hinted(status.metadata()).unwrap_or(i);
                         return Err(status);
                     }
                     Err(_) => {
@@ -285,6 +292,21 @@ impl Client {
     }
 }
 
+impl Client {
+    /// The endpoint a forwarded answer names as the leader (`route::LEADER_HINT`), if it is
+    /// one of this client's endpoints. Only known endpoints are taken: a leader's advertised
+    /// address need not be reachable from here (another network, a name that does not
+    /// resolve), and the list is what the user chose to trust.
+    fn leader_hinted(&self, metadata: &tonic::metadata::MetadataMap) -> Option<usize> {
+        let hint = metadata
+            .get(crate::api::route::LEADER_HINT)?
+            .to_str()
+            .ok()?;
+        let hint = hint.trim_start_matches("http://");
+        self.endpoints.iter().position(|e| e == hint)
+    }
+}
+
 pub use proto::transport::retryable;
 
 fn with_causes(status: &Status) -> String {
@@ -296,4 +318,30 @@ pub fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
     let mut r = tonic::Request::new(message);
     r.set_timeout(timeout);
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(endpoints: &[&str]) -> Client {
+        let endpoints: Vec<String> = endpoints.iter().map(|e| e.to_string()).collect();
+        Client::new(&endpoints, &Credentials::insecure()).unwrap()
+    }
+
+    fn hinted(addr: &str) -> tonic::metadata::MetadataMap {
+        let mut m = tonic::metadata::MetadataMap::new();
+        m.insert(crate::api::route::LEADER_HINT, addr.parse().unwrap());
+        m
+    }
+
+    #[tokio::test]
+    async fn a_leader_hint_is_taken_only_when_it_names_one_of_the_endpoints() {
+        let c = client(&["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.3:7001"]);
+        assert_eq!(c.leader_hinted(&hinted("10.0.0.3:7001")), Some(2));
+        assert_eq!(c.leader_hinted(&hinted("http://10.0.0.2:7001")), Some(1));
+        // An address the user did not list (another network, an internal name) is ignored.
+        assert_eq!(c.leader_hinted(&hinted("192.168.1.9:7001")), None);
+        assert_eq!(c.leader_hinted(&tonic::metadata::MetadataMap::new()), None);
+    }
 }

@@ -307,7 +307,10 @@ impl Replica {
 
     /// The leader this replica knows of, with its address.
     pub fn leader(&self) -> Option<(NodeId, String)> {
-        let m = self.raft.metrics().borrow().clone();
+        // Read in place: every write asks (`route::forward_if_follower`), and cloning the
+        // metrics would copy the membership's maps each time.
+        let metrics = self.raft.metrics();
+        let m = metrics.borrow();
         let leader = m.current_leader?;
         let addr = m
             .membership_config

@@ -39,6 +39,34 @@ async fn a_job_submitted_through_a_follower_is_on_every_replica() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reached_a_follower_sends_its_next_calls_to_the_leader() {
+    let c = start(3, &[]).await;
+    let status = c.wait_for_leader(LEADER_TIMEOUT).await.unwrap();
+    let follower = follower_of(&status);
+
+    step("a client over every replica, the follower first");
+    let mut endpoints = vec![c.addr(follower)];
+    endpoints.extend(c.endpoints().into_iter().filter(|e| *e != c.addr(follower)));
+    let mut client =
+        control_plane::client::Client::new(&endpoints, &c.credentials().unwrap()).unwrap();
+    assert_eq!(client.preferred_endpoint(), c.addr(follower));
+
+    step("the follower forwards the first submission and names the leader");
+    let first = submit(&mut client, spec("hinted-1", 1), "").await.unwrap();
+    assert!(first.created);
+    assert_eq!(client.preferred_endpoint(), c.addr(status.leader));
+
+    step("a refusal forwarded by a follower names the leader too");
+    let mut refused =
+        control_plane::client::Client::new(&endpoints, &c.credentials().unwrap()).unwrap();
+    let err = submit(&mut refused, spec("too-many-gpus", -1), "")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert_eq!(refused.preferred_endpoint(), c.addr(status.leader));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_with_the_same_idempotency_key_returns_the_same_job() {
     let c = start(3, &[]).await;
     let mut clients: Vec<_> = [1, 2, 3]

@@ -14,6 +14,12 @@ use crate::state::{RejectKind, Rejection};
 
 /// Metadata key marking a call forwarded by another replica.
 pub const FORWARDED: &str = "x-gpucp-forwarded-by";
+/// Response metadata a follower adds to the answer of a call it forwarded: the leader's
+/// advertised address. A long-lived client (`client::Client`) whose endpoints include that
+/// address sends its next calls there, so a forwarded call is the exception rather than
+/// two thirds of a client population's calls (each forward costs the follower a second RPC
+/// and the leader a second TLS stream per call).
+pub const LEADER_HINT: &str = "x-gpucp-leader";
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn rejection_status(r: &Rejection) -> Status {
@@ -86,16 +92,28 @@ where
                     .expect("a decimal number is valid metadata"),
             );
             tracing::debug!(leader, %addr, "forwarding to the leader");
-            remote(channel, req).await.map_err(|s| {
-                if s.code() == Code::Unavailable || s.code() == Code::Unknown {
-                    Status::unavailable(format!(
+            let hint = addr.parse::<tonic::metadata::MetadataValue<_>>().ok();
+            match remote(channel, req).await {
+                Ok(mut resp) => {
+                    if let Some(hint) = hint {
+                        resp.metadata_mut().insert(LEADER_HINT, hint);
+                    }
+                    Ok(resp)
+                }
+                Err(s) if s.code() == Code::Unavailable || s.code() == Code::Unknown => {
+                    Err(Status::unavailable(format!(
                         "forwarding to leader {leader} at {addr} failed: {}",
                         s.message()
-                    ))
-                } else {
-                    s
+                    )))
                 }
-            })
+                // The leader answered (a refusal, say): it still leads.
+                Err(mut s) => {
+                    if let Some(hint) = hint {
+                        s.metadata_mut().insert(LEADER_HINT, hint);
+                    }
+                    Err(s)
+                }
+            }
         }
         Err(e) => Err(error_status(replica, e)),
     }

@@ -104,11 +104,14 @@ async fn propose(
     if batch.len() == 1 {
         let QueuedWrite { command, reply } = batch.pop().expect("one write");
         let answer = raft
-            .client_write(Request {
-                format,
-                at,
-                command,
-            })
+            .client_write(
+                Request {
+                    format,
+                    at,
+                    command,
+                }
+                .into(),
+            )
             .await
             .map(|r| r.data)
             .map_err(|e| client_write_error(id, e));
@@ -124,7 +127,7 @@ async fn propose(
         at,
         command,
     };
-    match raft.client_write(request).await {
+    match raft.client_write(request.into()).await {
         Ok(resp) => match resp.data {
             Outcome::Batch(outcomes) if outcomes.len() == count => {
                 for (reply, outcome) in replies.into_iter().zip(outcomes) {

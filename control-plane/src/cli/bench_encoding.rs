@@ -1108,7 +1108,7 @@ pub fn read_log(
     Ok(entries
         .into_iter()
         .filter_map(|e| match e.payload {
-            EntryPayload::Normal(r) => Some((e.log_id.index, r)),
+            EntryPayload::Normal(r) => Some((e.log_id.index, std::sync::Arc::unwrap_or_clone(r.0))),
             _ => None,
         })
         .collect())

@@ -325,7 +325,7 @@ impl Applier {
         self.index += 1;
         self.pending.push(Entry {
             log_id: LogId::new(CommittedLeaderId::new(1, 1), self.index),
-            payload: EntryPayload::Normal(Request::new(at, command)),
+            payload: EntryPayload::Normal(Request::new(at, command).into()),
         });
         if self.pending.len() >= APPLY_BATCH {
             self.flush()?;

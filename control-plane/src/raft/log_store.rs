@@ -10,11 +10,17 @@
 //! after a majority has reported its entry durable; a follower waits for the callback before
 //! it answers its leader, and the leader replicates meanwhile (`third_party/openraft`,
 //! PATCHED 7).
+//!
+//! Reads: openraft reads back every entry it sends a follower (once per follower) and every
+//! entry it applies (on the Raft core's own task). The newest entries are kept decoded in
+//! memory as they are appended ([`Tail`]), so those reads cost a reference count each instead
+//! of a sled lookup and a JSON decode; older ones are read from sled.
 
+use std::collections::VecDeque;
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{OptionalSend, RaftLogReader, StorageIOError, Vote};
@@ -29,6 +35,88 @@ const LAST_PURGED: &str = "last_purged";
 
 /// A log flush that takes this long is logged (a heartbeat interval, by default).
 const SLOW_FLUSH: std::time::Duration = std::time::Duration::from_millis(40);
+
+/// Most entries the tail cache holds, and most encoded bytes they may stand for: a few
+/// seconds of a busy leader's log (group commit makes an entry of up to 512 commands), so a
+/// follower that is behind by less than that is caught up from memory.
+const TAIL_MAX_ENTRIES: usize = 4096;
+const TAIL_MAX_BYTES: usize = 64 << 20;
+
+/// The newest entries of the log, decoded, contiguous from `first`: what was appended last,
+/// minus what was truncated or purged since. A read wholly inside it is answered from here.
+#[derive(Default)]
+struct Tail {
+    /// Index of `entries[0]`.
+    first: u64,
+    entries: VecDeque<Entry>,
+    /// Encoded size of each of `entries`.
+    sizes: VecDeque<usize>,
+    bytes: usize,
+}
+
+impl Tail {
+    fn end(&self) -> u64 {
+        self.first + self.entries.len() as u64
+    }
+
+    /// Adds an entry just stored; one that does not follow the last starts the tail afresh.
+    fn push(&mut self, entry: Entry, size: usize) {
+        let index = entry.log_id.index;
+        if self.entries.is_empty() || index != self.end() {
+            self.clear_from(index);
+        }
+        self.entries.push_back(entry);
+        self.sizes.push_back(size);
+        self.bytes += size;
+        while self.entries.len() > 1
+            && (self.entries.len() > TAIL_MAX_ENTRIES || self.bytes > TAIL_MAX_BYTES)
+        {
+            self.pop_front();
+        }
+    }
+
+    fn pop_front(&mut self) {
+        if self.entries.pop_front().is_some() {
+            self.bytes -= self.sizes.pop_front().unwrap_or(0);
+            self.first += 1;
+        }
+    }
+
+    fn clear_from(&mut self, first: u64) {
+        *self = Tail {
+            first,
+            ..Tail::default()
+        };
+    }
+
+    /// Forgets the entries from `index` on (a truncated log).
+    fn truncate(&mut self, index: u64) {
+        while self.end() > index.max(self.first) {
+            self.entries.pop_back();
+            self.bytes -= self.sizes.pop_back().unwrap_or(0);
+        }
+    }
+
+    /// Forgets the entries at or before `index` (a purged log).
+    fn purge(&mut self, index: u64) {
+        while !self.entries.is_empty() && self.first <= index {
+            self.pop_front();
+        }
+        if self.entries.is_empty() {
+            self.first = self.first.max(index + 1);
+        }
+    }
+
+    /// Entries `[start, end)`, when the tail holds all of them.
+    fn get(&self, start: u64, end: u64) -> Option<Vec<Entry>> {
+        if start < self.first || end > self.end() || start > end {
+            return None;
+        }
+        let from = (start - self.first) as usize;
+        let to = (end - self.first) as usize;
+        Some(self.entries.range(from..to).cloned().collect())
+    }
+}
 
 #[derive(Clone)]
 pub struct LogStore {
@@ -47,6 +135,8 @@ pub struct LogStore {
     /// The thread that flushes appended entries and reports them durable, in order; started
     /// by the first append (after `with_flush_histogram`).
     flusher: Arc<std::sync::OnceLock<Option<std::sync::mpsc::Sender<LogFlushed<TypeConfig>>>>>,
+    /// The newest entries, decoded (see the module's header); shared with the log readers.
+    tail: Arc<Mutex<Tail>>,
 }
 
 /// Records one flush's duration, and says so in the log when the disk was slow.
@@ -97,6 +187,7 @@ impl LogStore {
             first_kept: Arc::new(AtomicU64::new(first_kept)),
             flush_latency: None,
             flusher: Arc::new(std::sync::OnceLock::new()),
+            tail: Arc::new(Mutex::new(Tail::default())),
         };
         Ok(store)
     }
@@ -114,7 +205,18 @@ impl LogStore {
     fn mark_purged(&self, log_id: &LogId) -> Result<(), StorageError> {
         self.put_meta(LAST_PURGED, log_id)?;
         self.first_kept.store(log_id.index + 1, Ordering::Relaxed);
+        self.tail().purge(log_id.index);
         Ok(())
+    }
+
+    /// The tail cache. Its lock is only held to copy entries in or out; a panic while it was
+    /// held leaves at worst a stale tail, so the lock is taken over rather than poisoned.
+    fn tail(&self) -> MutexGuard<'_, Tail> {
+        self.tail.lock().unwrap_or_else(|poisoned| {
+            let mut tail = poisoned.into_inner();
+            tail.clear_from(0);
+            tail
+        })
     }
 
     /// Reads every stored entry and the metadata once, so a damaged store is found at start-up
@@ -229,6 +331,8 @@ impl LogStore {
     /// Removes every entry from `from` on, atomically (one sled batch): a crash part way must
     /// not leave a hole in the log.
     fn remove_from(&self, from: u64) -> Result<(), StorageError> {
+        // The cache first: a reader must never be served an entry sled no longer has.
+        self.tail().truncate(from);
         let mut batch = sled::Batch::default();
         for item in self.logs.range(key(from)..) {
             let (k, _) = item.map_err(|e| StorageIOError::write_logs(&e))?;
@@ -253,6 +357,28 @@ fn remove_purged(logs: &sled::Tree, upto: u64) {
     }
 }
 
+impl LogStore {
+    /// `range` from the tail cache, when it holds all of it (what openraft asks for when it
+    /// replicates or applies: explicit, recent ranges).
+    fn cached<RB: RangeBounds<u64>>(&self, range: &RB, first_kept: u64) -> Option<Vec<Entry>> {
+        let start = match range.start_bound() {
+            Bound::Included(i) => *i,
+            Bound::Excluded(i) => i.checked_add(1)?,
+            Bound::Unbounded => 0,
+        }
+        .max(first_kept);
+        let end = match range.end_bound() {
+            Bound::Included(i) => i.checked_add(1)?,
+            Bound::Excluded(i) => *i,
+            Bound::Unbounded => return None,
+        };
+        if start >= end {
+            return None;
+        }
+        self.tail().get(start, end)
+    }
+}
+
 impl RaftLogReader<TypeConfig> for LogStore {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
@@ -271,6 +397,9 @@ impl RaftLogReader<TypeConfig> for LogStore {
             Bound::Excluded(i) => Bound::Excluded(key(*i)),
             Bound::Unbounded => Bound::Unbounded,
         };
+        if let Some(entries) = self.cached(&range, first_kept) {
+            return Ok(entries);
+        }
         let mut entries = Vec::new();
         for item in self.logs.range((start, end)) {
             let (_, v) = item.map_err(|e| StorageIOError::read_logs(&e))?;
@@ -354,9 +483,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // contiguous log, which openraft expects of an append it was never told completed.
         for entry in entries {
             let bytes = encode(&entry).map_err(|e| StorageIOError::write_logs(&e))?;
+            let size = bytes.len();
             self.logs
                 .insert(key(entry.log_id.index), bytes)
                 .map_err(|e| StorageIOError::write_logs(&e))?;
+            // After sled: a reader that misses the cache finds the entry there.
+            self.tail().push(entry, size);
         }
         // Durable once the flushing thread's next sync has finished; reported then.
         let callback = match self.flusher() {
@@ -410,6 +542,98 @@ mod tests {
     ) -> Vec<u64> {
         let entries = store.try_get_log_entries(range).await.unwrap();
         entries.iter().map(|e| e.log_id.index).collect()
+    }
+
+    fn tail_indexes(tail: &Tail, start: u64, end: u64) -> Option<Vec<u64>> {
+        tail.get(start, end)
+            .map(|es| es.iter().map(|e| e.log_id.index).collect())
+    }
+
+    #[test]
+    fn the_tail_answers_only_ranges_it_holds_whole() {
+        let mut tail = Tail::default();
+        for i in 5..=9 {
+            tail.push(entry(i), 10);
+        }
+        assert_eq!(tail_indexes(&tail, 5, 10), Some(vec![5, 6, 7, 8, 9]));
+        assert_eq!(tail_indexes(&tail, 7, 9), Some(vec![7, 8]));
+        assert_eq!(tail_indexes(&tail, 9, 9), Some(vec![]));
+        assert_eq!(tail_indexes(&tail, 4, 8), None, "starts before the tail");
+        assert_eq!(tail_indexes(&tail, 8, 11), None, "ends after the tail");
+    }
+
+    #[test]
+    fn the_tail_follows_truncation_purges_and_gaps() {
+        let mut tail = Tail::default();
+        for i in 1..=6 {
+            tail.push(entry(i), 10);
+        }
+        tail.truncate(4);
+        assert_eq!(tail_indexes(&tail, 1, 4), Some(vec![1, 2, 3]));
+        assert_eq!(tail_indexes(&tail, 1, 5), None, "4 was truncated");
+        assert_eq!(tail.bytes, 30);
+        // A new leader's entries from 4 on follow what is left.
+        tail.push(entry(4), 10);
+        assert_eq!(tail_indexes(&tail, 2, 5), Some(vec![2, 3, 4]));
+        tail.purge(2);
+        assert_eq!(tail_indexes(&tail, 2, 5), None, "2 was purged");
+        assert_eq!(tail_indexes(&tail, 3, 5), Some(vec![3, 4]));
+        // An entry that does not follow the last (a store that skipped ahead) starts afresh.
+        tail.push(entry(9), 10);
+        assert_eq!(tail_indexes(&tail, 9, 10), Some(vec![9]));
+        assert_eq!(tail_indexes(&tail, 3, 5), None);
+        assert_eq!(tail.bytes, 10);
+        // Purging past everything leaves an empty tail that the next entry restarts.
+        tail.purge(20);
+        assert!(tail.entries.is_empty());
+        tail.push(entry(21), 10);
+        assert_eq!(tail_indexes(&tail, 21, 22), Some(vec![21]));
+    }
+
+    #[test]
+    fn the_tail_keeps_within_its_bounds() {
+        let mut tail = Tail::default();
+        for i in 1..=(TAIL_MAX_ENTRIES as u64 + 10) {
+            tail.push(entry(i), 1);
+        }
+        assert_eq!(tail.entries.len(), TAIL_MAX_ENTRIES);
+        assert_eq!(tail.first, 11);
+        let mut big = Tail::default();
+        for i in 1..=4 {
+            big.push(entry(i), TAIL_MAX_BYTES / 3);
+        }
+        assert_eq!(big.entries.len(), 3);
+        assert_eq!(big.first, 2);
+        // One entry larger than the whole budget is still kept: it is the one being sent.
+        big.push(entry(5), TAIL_MAX_BYTES * 2);
+        assert_eq!(tail_indexes(&big, 5, 6), Some(vec![5]));
+    }
+
+    #[tokio::test]
+    async fn reads_come_from_the_tail_and_never_return_what_was_truncated_or_purged() {
+        let db = sled::Config::new().temporary(true).open().unwrap();
+        let mut store = LogStore::open(&db).unwrap();
+        for i in 1..=8 {
+            let e = entry(i);
+            store.logs.insert(key(i), encode(&e).unwrap()).unwrap();
+            store.tail().push(e, 1);
+        }
+        // Served from the tail: sled no longer has 7, the cache does.
+        store.logs.remove(key(7)).unwrap();
+        assert_eq!(indexes(&mut store, 6..8).await, vec![6, 7]);
+        store
+            .logs
+            .insert(key(7), encode(&entry(7)).unwrap())
+            .unwrap();
+        store.remove_from(6).unwrap();
+        assert_eq!(indexes(&mut store, 1..=8).await, vec![1, 2, 3, 4, 5]);
+        store.mark_purged(&entry(2).log_id).unwrap();
+        assert_eq!(indexes(&mut store, 1..5).await, vec![3, 4]);
+        assert_eq!(
+            indexes(&mut store, ..).await,
+            vec![3, 4, 5],
+            "unbounded: from sled"
+        );
     }
 
     #[tokio::test]

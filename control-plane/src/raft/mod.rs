@@ -21,14 +21,49 @@ pub mod state_machine;
 #[cfg(test)]
 mod store_suite;
 
+use std::sync::Arc;
+
 use crate::state::{Outcome, Request};
 
 pub type NodeId = u64;
 
+/// A log entry's `Request` as openraft carries it: shared, so that the log's tail cache
+/// (`log_store`), replication to each follower and the apply pass hand one decoded copy around
+/// instead of each decoding the entry again from sled or deep-copying it. Encoded exactly as
+/// the `Request` it holds: the log's format does not change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedRequest(pub Arc<Request>);
+
+impl std::ops::Deref for SharedRequest {
+    type Target = Request;
+
+    fn deref(&self) -> &Request {
+        &self.0
+    }
+}
+
+impl From<Request> for SharedRequest {
+    fn from(r: Request) -> Self {
+        SharedRequest(Arc::new(r))
+    }
+}
+
+impl serde::Serialize for SharedRequest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for SharedRequest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Request::deserialize(d).map(SharedRequest::from)
+    }
+}
+
 openraft::declare_raft_types!(
     /// Raft types of the control plane: entries carry a stamped `Command`, responses an `Outcome`.
     pub TypeConfig:
-        D = Request,
+        D = SharedRequest,
         R = Outcome,
         NodeId = NodeId,
         Node = openraft::BasicNode,

@@ -186,8 +186,8 @@ pub struct ReplicaArgs {
     /// Let a blocked head job preempt lower-priority preemptible work (true/false).
     #[arg(long, value_name = "BOOL")]
     pub preemption: Option<bool>,
-    /// Placement score: fgd (fragmentation-aware), fgd-la (FGD with CPU/memory look-ahead) or
-    /// best-fit.
+    /// Placement score: fgd (fragmentation-aware), fgd-la (FGD with CPU/memory look-ahead),
+    /// fgd-h (FGD with a look-ahead over the arrivals for every free fragment) or best-fit.
     #[arg(long, value_name = "POLICY")]
     pub placement_score: Option<String>,
     /// Finished jobs keep their full record (spec, history) this long, then are archived.
@@ -510,10 +510,11 @@ impl ReplicaArgs {
                         Ok(
                             p @ (crate::scheduler::ScorePolicy::Fgd
                             | crate::scheduler::ScorePolicy::FgdLookahead
+                            | crate::scheduler::ScorePolicy::FgdHorizon
                             | crate::scheduler::ScorePolicy::BestFit),
                         ) => p,
                         Ok(_) => bail!(
-                            "--placement-score random-fit is for the simulator only; use fgd, fgd-la or best-fit"
+                            "--placement-score random-fit is for the simulator only; use fgd, fgd-la, fgd-h or best-fit"
                         ),
                         Err(e) => bail!("--placement-score: {e}"),
                     },

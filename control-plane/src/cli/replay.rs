@@ -83,9 +83,12 @@ fn scoring(name: &str) -> anyhow::Result<ScorePolicy> {
     Ok(match name {
         "fgd" => ScorePolicy::Fgd,
         "fgd-la" | "fgd-lookahead" => ScorePolicy::FgdLookahead,
+        "fgd-h" | "fgd-horizon" => ScorePolicy::FgdHorizon,
         "best-fit" | "bestfit" => ScorePolicy::BestFit,
         "random-fit" | "random" => ScorePolicy::RandomFit { seed: 1 },
-        other => anyhow::bail!("unknown policy {other:?}: fgd, fgd-la, best-fit or random-fit"),
+        other => {
+            anyhow::bail!("unknown policy {other:?}: fgd, fgd-la, fgd-h, best-fit or random-fit")
+        }
     })
 }
 

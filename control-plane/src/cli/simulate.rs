@@ -88,11 +88,11 @@ pub struct FragmentationArgs {
     pub seeds: u64,
     #[arg(long, default_value_t = 42)]
     pub first_seed: u64,
-    /// Placement policies to compare, comma-separated: random-fit, best-fit, fgd, fgd-la.
+    /// Placement policies to compare, comma-separated: random-fit, best-fit, fgd, fgd-la, fgd-h.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "random-fit,best-fit,fgd,fgd-la"
+        default_value = "random-fit,best-fit,fgd,fgd-la,fgd-h"
     )]
     pub policies: Vec<ScorePolicy>,
     /// Tasks arrive until their GPU requests reach this percentage of GPU capacity.

@@ -127,6 +127,7 @@ fn run(input: &[u8], features: &mut Features) -> Result<(), String> {
             ScorePolicy::BestFit,
             ScorePolicy::Fgd,
             ScorePolicy::FgdLookahead,
+            ScorePolicy::FgdHorizon,
         ],
         max_tasks: Some(64),
         threads: 1,

@@ -47,7 +47,7 @@ impl TaskType {
 
 /// The target workload: task types and how often each occurs. Built from observed or expected
 /// demands; identical demands merge into one type.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Workload {
     /// Most frequent first (ties: smaller CPU, then GPU milli, GPUs, memory, models).
     types: Vec<TaskType>,
@@ -67,6 +67,20 @@ pub struct Workload {
     cpu_residual_var: f64,
     /// Likewise for memory.
     mem_residual_var: f64,
+    /// The horizon of [`horizon_waste`]: GPU tasks that arrive, on average, while the
+    /// workload's shares take one whole GPU's worth of milli (`1000 / E[share milli per GPU
+    /// task]`); infinite without shares.
+    horizon_tasks: f64,
+    /// Indexes of the GPU types by milli per GPU, ascending (ties: index order), so that the
+    /// weight of the types a fragment is too small for is a suffix sum.
+    by_need: Vec<usize>,
+}
+
+impl Default for Workload {
+    /// No task types (and so an unbounded horizon: no shares).
+    fn default() -> Self {
+        Workload::with_types(Vec::new())
+    }
 }
 
 /// Fixed-point scale of the weights in `fragmentation`.
@@ -150,6 +164,21 @@ impl Workload {
             wsum += t.weight;
         }
         let per_task = |x: f64| if wsum > 0.0 { x / wsum } else { 0.0 };
+        // Share milli per GPU task: the GPU tasks of one GPU's worth of shares are the
+        // horizon.
+        let share_milli: f64 = gpu_types()
+            .filter(|t| t.milli_per_gpu < FULL_GPU_MILLI)
+            .map(|t| t.weight * f64::from(t.gpus) * f64::from(t.milli_per_gpu))
+            .sum();
+        let horizon_tasks = if share_milli > 0.0 && wsum > 0.0 {
+            (f64::from(FULL_GPU_MILLI) * wsum / share_milli).max(1.0)
+        } else {
+            f64::INFINITY
+        };
+        let mut by_need: Vec<usize> = (0..types.len())
+            .filter(|&i| types[i].gpus > 0 && types[i].milli_per_gpu > 0)
+            .collect();
+        by_need.sort_by_key(|&i| (types[i].milli_per_gpu.min(FULL_GPU_MILLI), i));
         Workload {
             types,
             units,
@@ -158,6 +187,8 @@ impl Workload {
             gpu_milli_per_task: per_task(gpu),
             cpu_residual_var: per_task(vc),
             mem_residual_var: per_task(vm),
+            horizon_tasks,
+            by_need,
         }
     }
 
@@ -169,6 +200,12 @@ impl Workload {
     /// Memory MiB the workload's GPU tasks ask per GPU milli (0 without GPU types).
     pub fn mem_per_gpu_milli(&self) -> f64 {
         self.mem_per_gpu_milli
+    }
+
+    /// The look-ahead horizon of [`horizon_waste`], in GPU tasks: `1000 / E[share milli]`
+    /// over the GPU tasks (at least 1; infinite for a workload without shares).
+    pub fn horizon_tasks(&self) -> f64 {
+        self.horizon_tasks
     }
 
     /// The most frequent types that together make up at least `coverage` (0..=1) of the tasks,
@@ -373,6 +410,131 @@ fn normal_cdf(z: f64) -> f64 {
 /// GPU milli for their CPU) cost what they will strand.
 pub fn lookahead_fragmentation(node: &NodeResources, workload: &Workload) -> f64 {
     fragmentation(node, workload).max(stranded(node, workload))
+}
+
+/// Expected GPU milli of `node` left unused at the end, with a look-ahead over the arrival
+/// distribution for every free fragment (each GPU's free milli), where FGD's measure only asks
+/// whether the *next* task can use it; and with [`stranded`]'s look-ahead for CPU and memory
+/// (the larger of the two counts).
+///
+/// FGD counts a fragment of `f` free milli as `f ×` the share of task types that cannot use
+/// it. That penalises a 530-milli gap, which the stream's 470, 460 and 320 shares will fill,
+/// more than a 190-milli gap, which almost nothing fills, and treats a fragment that a few
+/// frequent types can still use (CPU running short on the node) as nearly lost. Here the
+/// fragment is lost only if none of the next `k` GPU tasks can use it: with `u` the share of
+/// the GPU types that cannot (too little free milli on that GPU, too little CPU or memory on
+/// the node, the wrong model), with probability `u^k`. If it is used, what its first user
+/// leaves (`f − m`, drawn over the types that can use it by frequency) is counted the same
+/// way, so filling a gap and leaving a sliver costs what the sliver will waste, and opening a
+/// whole GPU for a share is never free. A whole free GPU has no such remainder (a whole-GPU
+/// task may take it), as in FGD.
+///
+/// `k` is the workload's: the GPU tasks that arrive while its shares take one GPU's worth of
+/// milli ([`Workload::horizon_tasks`]), i.e. how many arrivals a partly used GPU can expect
+/// before the shares have opened as much capacity again. Multi-GPU types that do not fit the
+/// node (too few free GPUs, CPU, memory, model) count all free milli as FGD does (they need
+/// the node as a whole, not one fragment), CPU-only types too (they never use a GPU: the same
+/// amount for every placement of a task). With `k = 1` and no remainder this is FGD's measure.
+/// Pure and cheap: one pass over the workload's types, then a binary search per fragment and
+/// per type that fits a partly used GPU.
+pub fn horizon_waste(node: &NodeResources, workload: &Workload) -> f64 {
+    fragment_waste(node, workload).max(stranded(node, workload))
+}
+
+/// The fragment part of [`horizon_waste`].
+pub fn fragment_waste(node: &NodeResources, workload: &Workload) -> f64 {
+    let total = node.free_gpu_milli();
+    if total == 0 {
+        return 0.0;
+    }
+    let k = workload.horizon_tasks;
+    // `linear`: weight of the types that count every free milli (CPU-only types, multi-GPU
+    // types that do not fit); `blocked`: single-fragment types that cannot run here at all;
+    // `needs`/`prefix`: the others by milli per GPU, with running weight sums.
+    let (mut all, mut linear, mut blocked) = (0.0, 0.0, 0.0);
+    for t in &workload.types {
+        all += t.weight;
+        if t.gpus == 0 || t.milli_per_gpu == 0 {
+            linear += t.weight;
+        } else if !node_fits(node, t) {
+            if t.gpus > 1 {
+                linear += t.weight;
+            } else {
+                blocked += t.weight;
+            }
+        }
+    }
+    let rest = all - linear;
+    if all <= 0.0 {
+        return 0.0;
+    }
+    if rest <= 0.0 {
+        return total as f64 * linear / all;
+    }
+    let mut needs: Vec<u32> = Vec::with_capacity(workload.by_need.len());
+    let mut prefix: Vec<f64> = Vec::with_capacity(workload.by_need.len() + 1);
+    prefix.push(0.0);
+    for &i in &workload.by_need {
+        let t = &workload.types[i];
+        if node_fits(node, t) {
+            needs.push(t.milli_per_gpu.min(FULL_GPU_MILLI));
+            prefix.push(prefix[prefix.len() - 1] + t.weight);
+        }
+    }
+    let fitting = prefix[prefix.len() - 1];
+    // Share of the per-fragment types that cannot use a fragment of `x` milli, and the
+    // chance that none of the next `k` tasks can.
+    let usable = |x: u32| needs.partition_point(|&n| n <= x);
+    let lost = |x: u32| {
+        let u = (blocked + fitting - prefix[usable(x)]) / rest;
+        u.clamp(0.0, 1.0).powf(k)
+    };
+    let mut waste = 0.0;
+    let mut seen: [(u32, f64); INLINE_SEEN] = [(0, 0.0); INLINE_SEEN];
+    let mut n_seen = 0;
+    for &f in node.gpu_milli {
+        if f == 0 {
+            continue;
+        }
+        if let Some(&(_, v)) = seen[..n_seen].iter().find(|(m, _)| *m == f) {
+            waste += v;
+            continue;
+        }
+        let q = lost(f);
+        let mut v = f64::from(f) * (linear + rest * q);
+        if f < FULL_GPU_MILLI && q < 1.0 {
+            // The remainder its first user leaves, counted the same way.
+            let n = usable(f);
+            let (mut left, mut weight) = (0.0, 0.0);
+            for (j, &m) in needs[..n].iter().enumerate() {
+                let w = prefix[j + 1] - prefix[j];
+                left += w * f64::from(f - m) * lost(f - m);
+                weight += w;
+            }
+            if weight > 0.0 {
+                v += rest * (1.0 - q) * left / weight;
+            }
+        }
+        let v = v / all;
+        if n_seen < INLINE_SEEN {
+            seen[n_seen] = (f, v);
+            n_seen += 1;
+        }
+        waste += v;
+    }
+    waste
+}
+
+/// Distinct fragment sizes [`fragment_waste`] remembers per node (more are recomputed).
+const INLINE_SEEN: usize = 8;
+
+/// Whether a task of type `t` fits `node` (CPU, memory, model, enough GPUs with its milli).
+fn node_fits(node: &NodeResources, t: &TaskType) -> bool {
+    let need = t.milli_per_gpu.min(FULL_GPU_MILLI);
+    node.cpu_milli >= t.cpu_milli
+        && node.memory_mib >= t.memory_mib
+        && (t.models.is_empty() || t.models.iter().any(|m| m == node.model))
+        && node.gpu_milli.iter().filter(|&&m| m >= need).count() >= t.gpus as usize
 }
 
 #[cfg(test)]
@@ -614,5 +776,137 @@ mod tests {
         assert_eq!(w.typical(1.0).len(), 4);
         assert_eq!(w.typical(0.0).len(), 1);
         assert_eq!(w.typical(0.0).types()[0].weight, 1.0);
+    }
+
+    #[test]
+    fn horizon_is_gpu_tasks_per_gpu_of_shares() {
+        // Half whole GPUs, half 500-milli shares: 250 share milli per GPU task, so four GPU
+        // tasks arrive while the shares take one GPU's worth. CPU-only types do not count.
+        let w = Workload::from_demands([
+            demand(8_000, 1_024, 1, 1000),
+            demand(2_000, 1_024, 1, 500),
+            demand(4_000, 1_024, 0, 0),
+        ]);
+        assert!(
+            (w.horizon_tasks() - 4.0).abs() < 1e-9,
+            "{}",
+            w.horizon_tasks()
+        );
+        // Never below one task; unbounded without shares.
+        let shares = Workload::from_demands([demand(1_000, 1_024, 4, 900)]);
+        assert_eq!(shares.horizon_tasks(), 1.0);
+        let whole = Workload::from_demands([demand(8_000, 1_024, 1, 1000)]);
+        assert_eq!(whole.horizon_tasks(), f64::INFINITY);
+        assert_eq!(Workload::default().horizon_tasks(), f64::INFINITY);
+    }
+
+    /// Half whole-GPU tasks, 40% 470-milli shares, 10% 810-milli shares (k = 1000 / 269).
+    fn sharing_workload() -> Workload {
+        let mut ds = Vec::new();
+        ds.extend(std::iter::repeat_n(demand(8_000, 1_024, 1, 1000), 5));
+        ds.extend(std::iter::repeat_n(demand(8_000, 1_024, 1, 470), 4));
+        ds.push(demand(3_000, 1_024, 1, 810));
+        Workload::from_demands(ds)
+    }
+
+    #[test]
+    fn a_gap_the_stream_fills_costs_less_than_one_nothing_fills() {
+        let w = sharing_workload();
+        let k = 1000.0 / 269.0;
+        assert!((w.horizon_tasks() - k).abs() < 1e-9);
+        let gap = |f: u32| {
+            let gpus = [f];
+            fragment_waste(&node(16_000, 65_536, &gpus), &w)
+        };
+        // FGD: a 530 gap is lost for 60% of the tasks (318), a 190 gap for all (190).
+        let fgd = |f: u32| fragmentation(&node(16_000, 65_536, &[f]), &w);
+        assert!((fgd(530) - 318.0).abs() < 1e-6 && fgd(190) == 190.0);
+        // Here a 530 gap is lost only if none of the next k tasks is a 470 share (0.6^k);
+        // otherwise the share leaves 60 that nothing uses.
+        let q = 0.6f64.powf(k);
+        let expected = 530.0 * q + (1.0 - q) * 60.0;
+        assert!(
+            (gap(530) - expected).abs() < 1e-6,
+            "{} {expected}",
+            gap(530)
+        );
+        assert!(gap(530) < gap(190), "{} {}", gap(530), gap(190));
+        assert_eq!(gap(190), 190.0);
+        // A whole free GPU some task can use is not lost; a fully used one has nothing.
+        assert_eq!(gap(1000), 0.0);
+        assert_eq!(gap(0), 0.0);
+        // The fragments of a node add up, equal ones computed once.
+        let gpus = [530, 190, 530, 530, 530, 530, 530, 530, 530, 530, 1000];
+        let many = fragment_waste(&node(16_000, 65_536, &gpus), &w);
+        assert!((many - (9.0 * gap(530) + gap(190))).abs() < 1e-6);
+    }
+
+    #[test]
+    fn opening_a_whole_gpu_for_a_share_is_not_free() {
+        // A 470 share on [1000, 530]: into the gap (60 left, lost) or onto the whole GPU
+        // (two 530 gaps, each likely to end with 60 left, and one whole GPU fewer).
+        let w = sharing_workload();
+        let fill = fragment_waste(&node(8_000, 65_536, &[1000, 60]), &w);
+        let open = fragment_waste(&node(8_000, 65_536, &[530, 530]), &w);
+        assert_eq!(fill, 60.0);
+        assert!(open > fill, "{open} {fill}");
+    }
+
+    #[test]
+    fn fragments_no_task_can_use_for_cpu_or_model_are_lost() {
+        let w = sharing_workload();
+        let gpus = [1000, 1000];
+        // Every task needs 3 CPUs or more: with 2 left nothing can use the GPUs.
+        assert_eq!(fragment_waste(&node(2_000, 65_536, &gpus), &w), 2_000.0);
+        // With 4 CPUs only the 810 shares fit: a whole free GPU is lost only if none of the
+        // next k tasks is one (0.9^k).
+        let q = 0.9f64.powf(w.horizon_tasks());
+        let cpu_short = fragment_waste(&node(4_000, 65_536, &gpus), &w);
+        assert!((cpu_short - 2.0 * 1000.0 * q).abs() < 1e-6, "{cpu_short}");
+        // A model no GPU type accepts: everything lost.
+        let a100 = ["A100".to_string()];
+        let mut d = demand(1_000, 1_024, 1, 500);
+        d.models = &a100;
+        let only_a100 = Workload::from_demands([d]);
+        assert_eq!(
+            fragment_waste(&node(16_000, 65_536, &gpus), &only_a100),
+            2_000.0
+        );
+    }
+
+    #[test]
+    fn multi_gpu_and_cpu_only_types_count_as_in_fgd() {
+        // A quarter each: one whole GPU, eight whole GPUs, a 500 share, CPU-only.
+        let w = Workload::from_demands([
+            demand(1_000, 1_024, 1, 1000),
+            demand(1_000, 1_024, 8, 1000),
+            demand(1_000, 1_024, 1, 500),
+            demand(1_000, 1_024, 0, 0),
+        ]);
+        // Four whole free GPUs: the 8-GPU type cannot run here and the CPU-only type never
+        // uses a GPU, so half of the 4000 free milli counts, as in FGD; the others can use
+        // every GPU.
+        let four = node(16_000, 65_536, &[1000, 1000, 1000, 1000]);
+        assert_eq!(fragmentation(&four, &w), 2_000.0);
+        assert!((fragment_waste(&four, &w) - 2_000.0).abs() < 1e-9);
+        // Eight: the 8-GPU type fits, only the CPU-only quarter counts.
+        let eight = node(16_000, 65_536, &[1000; 8]);
+        assert!((fragment_waste(&eight, &w) - 2_000.0).abs() < 1e-9);
+        // No free GPU milli, nothing to lose.
+        assert_eq!(fragment_waste(&node(16_000, 65_536, &[0, 0]), &w), 0.0);
+        assert_eq!(fragment_waste(&four, &Workload::default()), 0.0);
+    }
+
+    #[test]
+    fn horizon_waste_keeps_the_cpu_forecast() {
+        // Whole GPUs with 8 CPUs each, no spread: 20 CPUs feed 2.5 of 4 GPUs. A task that
+        // fits still fits, so no fragment is lost, but the forecast strands 1500 milli.
+        let w = single(demand(8_000, 1_024, 1, 1000));
+        let gpus = [1000, 1000, 1000, 1000];
+        let tight = node(20_000, 65_536, &gpus);
+        assert_eq!(fragment_waste(&tight, &w), 0.0);
+        assert!((horizon_waste(&tight, &w) - 1_500.0).abs() < 1e-6);
+        let roomy = node(64_000, 65_536, &gpus);
+        assert_eq!(horizon_waste(&roomy, &w), 0.0);
     }
 }

@@ -14,6 +14,9 @@
 //! - `fgd`: fragmentation gradient descent (Weng et al., "Beware of Fragmentation", USENIX ATC
 //!   '23): the placement that increases the node's expected fragmentation
 //!   ([`super::frag::fragmentation`]) the least, graded in whole points ([`fgd_score`]).
+//! - `fgd-la`: FGD with a look-ahead at CPU and memory ([`super::frag::lookahead_fragmentation`]);
+//! - `fgd-h`: FGD with a look-ahead over the arrivals for every free fragment, beside fgd-la's
+//!   CPU and memory forecast ([`super::frag::horizon_waste`]).
 //!
 //! GPUs are described by the milli free on each position (1000 = a whole free GPU). A task asks
 //! for `gpus` GPUs of `milli_per_gpu` each: 1000 means whole GPUs, less than 1000 a share of one
@@ -22,7 +25,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::frag::{Workload, fragmentation, lookahead_fragmentation};
+use super::frag::{Workload, fragmentation, horizon_waste, lookahead_fragmentation};
 
 /// Milli of one whole GPU.
 pub const FULL_GPU_MILLI: u32 = 1000;
@@ -127,6 +130,12 @@ pub enum ScorePolicy {
     /// expected to strand by using up the node's CPU (memory) at the workload's own CPU per
     /// GPU ratio ([`super::frag::lookahead_fragmentation`]). Graded as FGD.
     FgdLookahead,
+    /// FGD whose measure looks ahead over the arrival distribution for every free fragment:
+    /// a GPU's free milli counts as lost only if none of the next `k` GPU tasks can use it
+    /// (`k` the workload's GPU tasks per GPU's worth of shares), plus what its first user
+    /// would leave, with `fgd-la`'s CPU and memory forecast beside it
+    /// ([`super::frag::horizon_waste`]). Graded as FGD.
+    FgdHorizon,
 }
 
 /// The node scale scores are graded on: integer points from 0 (worst) to 100 (best), as
@@ -162,7 +171,7 @@ pub fn fgd_score(delta: f64) -> f64 {
 
 impl ScorePolicy {
     /// Names accepted by `FromStr` and printed by `name()`.
-    pub const NAMES: [&'static str; 4] = ["random-fit", "best-fit", "fgd", "fgd-la"];
+    pub const NAMES: [&'static str; 5] = ["random-fit", "best-fit", "fgd", "fgd-la", "fgd-h"];
 
     pub fn name(&self) -> &'static str {
         match self {
@@ -170,6 +179,7 @@ impl ScorePolicy {
             ScorePolicy::BestFit => "best-fit",
             ScorePolicy::Fgd => "fgd",
             ScorePolicy::FgdLookahead => "fgd-la",
+            ScorePolicy::FgdHorizon => "fgd-h",
         }
     }
 
@@ -188,13 +198,15 @@ impl fmt::Display for ScorePolicy {
 
 /// Error of `ScorePolicy::from_str`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown placement policy `{0}` (expected one of: random-fit, best-fit, fgd, fgd-la)")]
+#[error(
+    "unknown placement policy `{0}` (expected one of: random-fit, best-fit, fgd, fgd-la, fgd-h)"
+)]
 pub struct UnknownPolicy(pub String);
 
 impl FromStr for ScorePolicy {
     type Err = UnknownPolicy;
 
-    /// `random-fit` (seed 0; set the seed afterwards), `best-fit`, `fgd`, `fgd-la`;
+    /// `random-fit` (seed 0; set the seed afterwards), `best-fit`, `fgd`, `fgd-la`, `fgd-h`;
     /// case-insensitive.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().as_str() {
@@ -202,6 +214,7 @@ impl FromStr for ScorePolicy {
             "best-fit" | "bestfit" => Ok(ScorePolicy::BestFit),
             "fgd" => Ok(ScorePolicy::Fgd),
             "fgd-la" | "fgd-lookahead" => Ok(ScorePolicy::FgdLookahead),
+            "fgd-h" | "fgd-horizon" => Ok(ScorePolicy::FgdHorizon),
             _ => Err(UnknownPolicy(s.to_owned())),
         }
     }
@@ -306,6 +319,7 @@ fn score_and_pick(
         ScorePolicy::FgdLookahead => {
             Some(fgd_choice(node, demand, workload, lookahead_fragmentation))
         }
+        ScorePolicy::FgdHorizon => Some(fgd_choice(node, demand, workload, horizon_waste)),
     }
 }
 
@@ -685,6 +699,45 @@ mod tests {
             Ok(ScorePolicy::FgdLookahead)
         );
         assert!(ScorePolicy::FgdLookahead.is_deterministic());
+    }
+
+    #[test]
+    fn fgd_horizon_fills_the_gap_that_the_stream_would_not() {
+        // Half whole GPUs, 40% 470 shares, 10% 810 shares. A 470 share on a node with GPUs
+        // [1000, 530, 190] fills the 530 gap (60 left) rather than open the whole GPU.
+        let mut ds = Vec::new();
+        ds.extend(std::iter::repeat_n(demand(8_000, 1_024, 1, 1000), 5));
+        ds.extend(std::iter::repeat_n(demand(8_000, 1_024, 1, 470), 4));
+        ds.push(demand(3_000, 1_024, 1, 810));
+        let w = Workload::from_demands(ds);
+        let gpus = [1000, 530, 190];
+        let n = node(64_000, 65_536, "T4", &gpus);
+        let share = demand(8_000, 1_024, 1, 470);
+        let c = evaluate(&ScorePolicy::FgdHorizon, &n, &share, &w, 0).unwrap();
+        assert_eq!(c.gpus, vec![1]);
+        assert_eq!(
+            evaluate_score(&ScorePolicy::FgdHorizon, &n, &share, &w, 0),
+            Some(c.score)
+        );
+        // Among nodes, the one whose gap the share fills wins over opening a whole GPU.
+        let whole = [1000, 1000];
+        let gap = [1000, 530];
+        let nodes = [
+            node(64_000, 65_536, "T4", &whole),
+            node(64_000, 65_536, "T4", &gap),
+        ];
+        assert_eq!(
+            pick(&ScorePolicy::FgdHorizon, &nodes, &share, &w, 0),
+            Some(1)
+        );
+        assert_eq!("fgd-h".parse::<ScorePolicy>(), Ok(ScorePolicy::FgdHorizon));
+        assert_eq!(
+            "FGD-Horizon".parse::<ScorePolicy>(),
+            Ok(ScorePolicy::FgdHorizon)
+        );
+        assert_eq!(ScorePolicy::FgdHorizon.name(), "fgd-h");
+        assert!(ScorePolicy::NAMES.contains(&"fgd-h"));
+        assert!(ScorePolicy::FgdHorizon.is_deterministic());
     }
 
     #[test]

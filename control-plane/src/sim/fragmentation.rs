@@ -56,6 +56,7 @@ impl Default for Config {
                 ScorePolicy::BestFit,
                 ScorePolicy::Fgd,
                 ScorePolicy::FgdLookahead,
+                ScorePolicy::FgdHorizon,
             ],
             arrivals_pct: 130,
             workload_coverage: 0.95,

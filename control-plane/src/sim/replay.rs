@@ -145,6 +145,7 @@ pub fn policy_name(p: &ScorePolicy) -> &'static str {
     match p {
         ScorePolicy::Fgd => "fgd",
         ScorePolicy::FgdLookahead => "fgd-la",
+        ScorePolicy::FgdHorizon => "fgd-h",
         ScorePolicy::BestFit => "best-fit",
         ScorePolicy::RandomFit { .. } => "random-fit",
     }

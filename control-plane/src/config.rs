@@ -90,7 +90,10 @@ impl Defaults {
     pub const AGING_STEP_SECS: u64 = 30 * 60;
     pub const BACKFILL: bool = true;
     pub const PREEMPTION: bool = true;
-    pub const PLACEMENT_SCORE: &'static str = "fgd";
+    /// FGD with the look-ahead over arrivals (`scheduler::frag::horizon_waste`): ahead of
+    /// plain FGD on the shared trace and on every synthetic variant of it measured
+    /// (docs/SCHEDULING.md), at the same pass time (`bench scheduler --placement-score`).
+    pub const PLACEMENT_SCORE: &'static str = "fgd-h";
     /// Finished jobs keep their full record (spec, history, placement) for an hour (Slurm's
     /// MinJobAge is 5 minutes)...
     pub const FINISHED_JOB_RETENTION_SECS: u64 = 3600;
@@ -186,8 +189,9 @@ pub struct ReplicaArgs {
     /// Let a blocked head job preempt lower-priority preemptible work (true/false).
     #[arg(long, value_name = "BOOL")]
     pub preemption: Option<bool>,
-    /// Placement score: fgd (fragmentation-aware), fgd-la (FGD with CPU/memory look-ahead),
-    /// fgd-h (FGD with a look-ahead over the arrivals for every free fragment) or best-fit.
+    /// Placement score: fgd-h (the default: FGD with a look-ahead over the arrivals for every
+    /// free fragment and for CPU and memory), fgd (fragmentation-aware, as published), fgd-la
+    /// (FGD with the CPU/memory look-ahead only) or best-fit.
     #[arg(long, value_name = "POLICY")]
     pub placement_score: Option<String>,
     /// Finished jobs keep their full record (spec, history) this long, then are archived.
@@ -676,6 +680,10 @@ mod tests {
             TransportSecurity::Insecure => panic!("the example runs with TLS"),
         }
         assert_eq!(c.leader.audit_retention.max_records, 200_000);
+        assert_eq!(
+            c.leader.policy.scoring,
+            crate::scheduler::ScorePolicy::FgdHorizon
+        );
     }
 
     #[test]

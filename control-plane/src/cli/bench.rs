@@ -163,6 +163,10 @@ pub enum BenchCommand {
         /// job blocked: reservation and preemption are computed).
         #[arg(long, default_value = "empty,half,full", value_delimiter = ',')]
         fleets: Vec<String>,
+        /// Placement scores to time on each fleet and queue (comma-separated, e.g.
+        /// `fgd,fgd-h`; default the scheduler's own, fgd).
+        #[arg(long, value_delimiter = ',')]
+        placement_score: Vec<crate::scheduler::score::ScorePolicy>,
     },
     /// Rendering the status page (the node grid and every other page), in process, on a
     /// synthetic fleet of 8-GPU hosts with most GPUs held (no replicas started).
@@ -376,6 +380,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
         jobs,
         runs,
         fleets,
+        placement_score,
     } = command
     {
         let (text, json) = super::bench_scheduler::run(super::bench_scheduler::Args {
@@ -383,6 +388,7 @@ pub fn run(command: BenchCommand, keep_data: Option<PathBuf>, fmt: Format) -> an
             jobs,
             runs: runs.max(1),
             fleets,
+            scoring: placement_score,
         })?;
         print_report(fmt, &text, &json);
         return Ok(());

@@ -18,6 +18,9 @@ pub struct Args {
     pub runs: usize,
     /// Which fleet states to measure: empty, half, full.
     pub fleets: Vec<String>,
+    /// Placement scores to time, each on the same fleet and queue (the scheduler's default
+    /// `fgd` when empty).
+    pub scoring: Vec<crate::scheduler::score::ScorePolicy>,
 }
 
 /// CPU time this thread has used. The pass runs on one thread, so its CPU time is what the
@@ -110,11 +113,17 @@ pub(crate) fn fill(driver: &mut Driver, fraction: f64, seed: u64) -> anyhow::Res
 }
 
 pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
+    let scorings = if args.scoring.is_empty() {
+        vec![Policy::default().scoring]
+    } else {
+        args.scoring.clone()
+    };
     let mut text = format!(
-        "{:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>10} {:>7} {:>6} {:>6}\n",
+        "{:>7} {:>7} {:>6} {:>7} {:>9} {:>9} {:>9} {:>10} {:>7} {:>6} {:>6}\n",
         "hosts",
         "pending",
         "fleet",
+        "score",
         "min ms",
         "p50 ms",
         "max ms",
@@ -140,20 +149,26 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                 let pending = mixed_jobs(jobs, 42, driver.state.last_job_id + 1);
                 submit_all(&mut driver, &pending)?;
                 let used = gpus_in_use(&driver);
-                let mut times = Vec::with_capacity(args.runs);
-                let mut cpu_times = Vec::with_capacity(args.runs);
-                let mut last = None;
-                for _ in 0..args.runs {
-                    let started = Instant::now();
-                    let cpu_started = thread_cpu_time();
-                    let result = plan_with_stats(&driver.state, driver.now, &Policy::default());
-                    cpu_times.push((thread_cpu_time() - cpu_started).as_secs_f64() * 1000.0);
-                    times.push(started.elapsed().as_secs_f64() * 1000.0);
-                    last = Some(result);
-                }
-                let (plan, stats) = last.unwrap_or_default();
-                let fingerprint = plan_fingerprint(&plan);
-                let head = plan.reservation.as_ref().map_or(String::new(), |r| {
+                for scoring in &scorings {
+                    let policy = Policy {
+                        scoring: scoring.clone(),
+                        ..Policy::default()
+                    };
+                    let score = scoring.name();
+                    let mut times = Vec::with_capacity(args.runs);
+                    let mut cpu_times = Vec::with_capacity(args.runs);
+                    let mut last = None;
+                    for _ in 0..args.runs {
+                        let started = Instant::now();
+                        let cpu_started = thread_cpu_time();
+                        let result = plan_with_stats(&driver.state, driver.now, &policy);
+                        cpu_times.push((thread_cpu_time() - cpu_started).as_secs_f64() * 1000.0);
+                        times.push(started.elapsed().as_secs_f64() * 1000.0);
+                        last = Some(result);
+                    }
+                    let (plan, stats) = last.unwrap_or_default();
+                    let fingerprint = plan_fingerprint(&plan);
+                    let head = plan.reservation.as_ref().map_or(String::new(), |r| {
                     let spec = driver.state.jobs.get(&r.job).map(|j| &j.spec);
                     format!(
                         "; head {} task(s) x {} GPU(s) (milli {}) reserved on {} node(s) from +{} s",
@@ -164,28 +179,30 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                         r.start_at.saturating_sub(driver.now) / 1000
                     )
                 });
-                times.sort_by(f64::total_cmp);
-                cpu_times.sort_by(f64::total_cmp);
-                let (min, p50, max) = (times[0], times[times.len() / 2], times[times.len() - 1]);
-                let cpu_p50 = cpu_times[cpu_times.len() / 2];
-                text += &format!(
-                    "{hosts:>7} {jobs:>7} {label:>6} {min:>9.1} {p50:>9.1} {max:>9.1} {cpu_p50:>10.1} {:>7} {:>6} {:>6}\n",
-                    plan.placements.len(),
-                    if plan.reservation.is_some() {
-                        "yes"
-                    } else {
-                        "no"
-                    },
-                    plan.preemptions
-                        .iter()
-                        .map(|p| p.victims.len())
-                        .sum::<usize>(),
-                );
-                rows.push(json!({
+                    times.sort_by(f64::total_cmp);
+                    cpu_times.sort_by(f64::total_cmp);
+                    let (min, p50, max) =
+                        (times[0], times[times.len() / 2], times[times.len() - 1]);
+                    let cpu_p50 = cpu_times[cpu_times.len() / 2];
+                    text += &format!(
+                        "{hosts:>7} {jobs:>7} {label:>6} {score:>7} {min:>9.1} {p50:>9.1} {max:>9.1} {cpu_p50:>10.1} {:>7} {:>6} {:>6}\n",
+                        plan.placements.len(),
+                        if plan.reservation.is_some() {
+                            "yes"
+                        } else {
+                            "no"
+                        },
+                        plan.preemptions
+                            .iter()
+                            .map(|p| p.victims.len())
+                            .sum::<usize>(),
+                    );
+                    rows.push(json!({
                     "hosts": hosts,
                     "gpus": driver.state.total_gpus(),
                     "pending": jobs,
                     "fleet": label,
+                    "placement_score": score,
                     "gpus_in_use_at_start": used,
                     "pass_ms": {"min": min, "p50": p50, "max": max},
                     "pass_cpu_ms_p50": cpu_p50,
@@ -196,9 +213,10 @@ pub fn run(args: Args) -> anyhow::Result<(String, serde_json::Value)> {
                     "last_pass_stages_us": stats,
                     "plan_fingerprint": fingerprint,
                 }));
-                eprintln!(
-                    "{hosts} hosts, {jobs} pending, {label}: {stats:?} plan {fingerprint}{head}"
-                );
+                    eprintln!(
+                        "{hosts} hosts, {jobs} pending, {label}, {score}: {stats:?} plan {fingerprint}{head}"
+                    );
+                }
             }
         }
     }

@@ -67,7 +67,7 @@ impl Default for Policy {
             aging_step_ms: 30 * 60 * 1000,
             backfill: true,
             preemption: true,
-            scoring: ScorePolicy::Fgd,
+            scoring: ScorePolicy::FgdHorizon,
             max_jobs_per_pass: 10_000,
         }
     }

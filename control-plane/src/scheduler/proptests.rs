@@ -502,7 +502,8 @@ struct Scenario {
     /// Minutes before the first pass, the second pass, the last submissions, and `now`.
     gaps: [u64; 4],
     dice: Vec<u8>,
-    best_fit: bool,
+    /// How nodes are scored: the default (fgd-h), plain FGD or best-fit.
+    scoring: ScorePolicy,
     /// A GPU that fails after the first pass (its holder keeps it until it exits).
     sick: Option<(usize, u32)>,
     /// A node drained after the first pass.
@@ -523,24 +524,26 @@ fn scenario_with(
         vec(job_gen_with(share_gangs), pending),
         [0u64..=60, 0u64..=90, 0u64..=60, 0u64..=120],
         vec(any::<u8>(), 1..=24),
-        prop::bool::weighted(0.25),
+        prop_oneof![
+            2 => Just(ScorePolicy::FgdHorizon),
+            1 => Just(ScorePolicy::Fgd),
+            1 => Just(ScorePolicy::BestFit),
+        ],
         proptest::option::weighted(0.15, (any::<usize>(), 0u32..8)),
         proptest::option::weighted(0.1, any::<usize>()),
     )
         .prop_map(
-            |(nodes, tenants, first, second, pending, gaps, dice, best_fit, sick, drain)| {
-                Scenario {
-                    nodes,
-                    tenants,
-                    first,
-                    second,
-                    pending,
-                    gaps,
-                    dice,
-                    best_fit,
-                    sick,
-                    drain,
-                }
+            |(nodes, tenants, first, second, pending, gaps, dice, scoring, sick, drain)| Scenario {
+                nodes,
+                tenants,
+                first,
+                second,
+                pending,
+                gaps,
+                dice,
+                scoring,
+                sick,
+                drain,
             },
         )
 }
@@ -645,11 +648,7 @@ fn build(s: &Scenario) -> Result<Built, TestCaseError> {
         prop_assert_eq!(outcome, Outcome::NodeRegistered);
     }
     let policy = Policy {
-        scoring: if s.best_fit {
-            ScorePolicy::BestFit
-        } else {
-            ScorePolicy::Fgd
-        },
+        scoring: s.scoring.clone(),
         ..Policy::default()
     };
     let tenants = s.tenants.len();

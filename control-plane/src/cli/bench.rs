@@ -164,7 +164,7 @@ pub enum BenchCommand {
         #[arg(long, default_value = "empty,half,full", value_delimiter = ',')]
         fleets: Vec<String>,
         /// Placement scores to time on each fleet and queue (comma-separated, e.g.
-        /// `fgd,fgd-h`; default the scheduler's own, fgd).
+        /// `fgd,fgd-h`; default the scheduler's own, fgd-h).
         #[arg(long, value_delimiter = ',')]
         placement_score: Vec<crate::scheduler::score::ScorePolicy>,
     },

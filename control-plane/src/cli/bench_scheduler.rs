@@ -18,8 +18,8 @@ pub struct Args {
     pub runs: usize,
     /// Which fleet states to measure: empty, half, full.
     pub fleets: Vec<String>,
-    /// Placement scores to time, each on the same fleet and queue (the scheduler's default
-    /// `fgd` when empty).
+    /// Placement scores to time, each on the same fleet and queue (the scheduler's default,
+    /// `Policy::default().scoring`, when empty).
     pub scoring: Vec<crate::scheduler::score::ScorePolicy>,
 }
 

@@ -386,6 +386,9 @@ impl RaftLogReader<TypeConfig> for LogStore {
     ) -> Result<Vec<Entry>, StorageError> {
         // Purged entries may still be stored until their background removal has finished.
         let first_kept = self.first_kept.load(Ordering::Relaxed);
+        if let Some(entries) = self.cached(&range, first_kept) {
+            return Ok(entries);
+        }
         let start = match range.start_bound() {
             Bound::Included(i) => Bound::Included(key((*i).max(first_kept))),
             Bound::Excluded(i) if *i < first_kept => Bound::Included(key(first_kept)),
@@ -397,9 +400,6 @@ impl RaftLogReader<TypeConfig> for LogStore {
             Bound::Excluded(i) => Bound::Excluded(key(*i)),
             Bound::Unbounded => Bound::Unbounded,
         };
-        if let Some(entries) = self.cached(&range, first_kept) {
-            return Ok(entries);
-        }
         let mut entries = Vec::new();
         for item in self.logs.range((start, end)) {
             let (_, v) = item.map_err(|e| StorageIOError::read_logs(&e))?;
